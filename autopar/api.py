@@ -1,0 +1,205 @@
+"""The user's entry points: `mesh`, `parallelize`, `optimizer`.
+
+`parallelize(model, mesh, example_inputs=...)` captures the model (autopar.capture), decides
+a Plan (today: data parallel over the whole mesh, with the ZeRO stage and bucket size given
+or pinned; the joint planner replaces this default as it lands), runs the passes that carry
+the plan out (passes.pass_manager), and wraps the per-rank program of this rank
+(runtime.program) as a `ParallelModel` that trains with `step()` and shows its plan and
+dumps.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autopar.capture import capture
+from autopar.passes import ir
+from autopar.passes.dump import write_graph
+from autopar.passes.pass_manager import PassContext, PassManager
+from autopar.passes.plan import Plan
+from autopar.passes.split_batch import split_batch
+from autopar.runtime.mesh import Mesh, make_mesh
+from autopar.runtime.program import Program
+
+
+def mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None, **axes: int) -> Mesh:
+    """A device mesh: `autopar.mesh(world_size=64)`, `autopar.mesh(dp=8, tp=4, pp=2)`, a
+    `DeviceMesh`, or (no arguments) the world of the running torchrun job."""
+    return make_mesh(world_size, device_mesh=device_mesh, device_type=device_type, **axes)
+
+
+class ParallelModel(nn.Module):
+    """A model parallelised for one rank: call it, `step()` it, read `plan`, `dump()` it."""
+
+    def __init__(self, program: Program, plan: Plan, graph, global_graph, records, capture_info):
+        super().__init__()
+        self.program = program
+        self._plan = plan
+        self.graph_module = graph
+        self.global_graph = global_graph
+        self.pass_records = records
+        self.capture_info = capture_info
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    @property
+    def engine(self):
+        return self.program.engine
+
+    def forward(self, *args, **kwargs):
+        return self.program(*args, **kwargs)
+
+    def step(self, batch, loss_fn, n_microbatches: int | None = None) -> torch.Tensor:
+        return self.program.step(batch, loss_fn, n_microbatches or self._plan.n_microbatches)
+
+    def plan_text(self) -> str:
+        from autopar.report import plan_text
+
+        return plan_text(self)
+
+    def dump(self, out_dir: str) -> list[str]:
+        """Write the plan (plan.json), this rank's rewritten graph, the captured global graph,
+        the pass log and a text report into `out_dir`. Returns the files written."""
+        from autopar.report import plan_text
+
+        os.makedirs(out_dir, exist_ok=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        files = []
+        p = os.path.join(out_dir, "plan.json")
+        if rank == 0:
+            with open(p, "w") as f:
+                f.write(self._plan.to_json() + "\n")
+            files.append(p)
+            files.append(write_graph(self.global_graph, os.path.join(out_dir, "graph_captured.py"),
+                                     header=f"captured by {self.capture_info.get('path')}; global shapes"))
+            rp = os.path.join(out_dir, "report.txt")
+            with open(rp, "w") as f:
+                f.write(plan_text(self) + "\n")
+            files.append(rp)
+            lp = os.path.join(out_dir, "passes.json")
+            with open(lp, "w") as f:
+                json.dump([{"pass": r.name, "ms": round(r.ms, 3), "nodes_before": r.nodes_before,
+                            "nodes_after": r.nodes_after, "collectives_added": dict(r.collectives_added),
+                            "changed": r.changed} for r in self.pass_records], f, indent=2)
+            files.append(lp)
+        header = "\n".join(r.header() for r in self.pass_records) or "no pass changed the graph"
+        files.append(write_graph(self.graph_module, os.path.join(out_dir, f"rank{rank}_program.py"),
+                                 header=f"rank {rank} coords {self.mesh.coords(rank)}\n{header}"))
+        return files
+
+
+def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: Any, plan: Plan | None = None,
+                pins: dict | None = None, zero_stage: int | None = None, bucket_mb: float | None = None,
+                n_microbatches: int | None = None, leaf_modules: Iterable[str] = (),
+                dump_dir: str | None = None, sync_init: bool = True) -> ParallelModel:
+    """Make `model` train on `mesh`.
+
+    Args:
+        model: the nn.Module (same seed and weights on every rank, or they are broadcast from
+            data-parallel rank 0 when `sync_init`).
+        mesh: an autopar Mesh, a DeviceMesh, or None for the running job's world (all dp).
+        example_inputs: a global batch of inputs (tensor or tuple) to capture with.
+        plan: a full Plan to carry out; `pins` fixes some of its fields instead.
+        zero_stage, bucket_mb, n_microbatches: shortcuts for the same pins.
+        leaf_modules: submodules to keep opaque at capture.
+        dump_dir: write dumps of every pass here (also `AUTOPAR_DUMP=dir`).
+    """
+    if mesh is None:
+        mesh = make_mesh()
+    elif not isinstance(mesh, Mesh):
+        mesh = make_mesh(device_mesh=mesh)
+    if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
+        raise ValueError(f"{mesh} has {mesh.world_size} ranks but the job has world size "
+                         f"{dist.get_world_size()}; choose axis sizes whose product is {dist.get_world_size()}")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's parameters are on the meta device; parallelize needs real weights "
+                         "(plan and dump work on meta models: use autopar.capture / the CLI's `plan`)")
+    plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    dp = plan.dp
+    for t in pytree.tree_leaves(args):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % (dp * plan.n_microbatches):
+            raise ValueError(f"the example batch has {t.shape[0]} rows, which does not divide by "
+                             f"dp={dp} x micro-batches={plan.n_microbatches}; use a batch size that is a "
+                             f"multiple of {dp * plan.n_microbatches}")
+    global_gm = capture(model, args, leaf_modules=leaf_modules)
+    local_gm = global_gm
+    if dp > 1 and _batch_is_static(global_gm):
+        # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
+        # capture again at the local micro-batch size for the per-rank program
+        k = dp * plan.n_microbatches
+        local_args = pytree.tree_map(lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t,
+                                     args)
+        local_gm = capture(model, local_args, leaf_modules=leaf_modules)
+        plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
+    pm = PassManager([split_batch], dump_dir=dump_dir)
+    local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
+    program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
+                      in_spec=global_gm.meta.get("autopar_in_spec"), out_spec=global_gm.meta.get("autopar_out_spec"),
+                      sync_init=sync_init)
+    _predict(plan, global_gm, mesh)
+    return ParallelModel(program, plan, local_gm, global_gm, pm.records, global_gm.meta.get("autopar_capture", {}))
+
+
+def optimizer(model: ParallelModel, cls: type, **kwargs: Any):
+    """The optimizer for a parallelised model: `cls` over this rank's (possibly sharded) state."""
+    if not isinstance(model, ParallelModel):
+        raise TypeError("autopar.optimizer takes the model returned by autopar.parallelize; for a plain "
+                        f"module use {getattr(cls, '__name__', cls)}(module.parameters()) directly")
+    return model.engine.make_optimizer(cls, **kwargs)
+
+
+# --- helpers -----------------------------------------------------------------------------
+def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches) -> Plan:
+    others = {a: s for a, s in mesh.sizes.items() if a != "dp" and s > 1}
+    if plan is None:
+        if others:
+            raise ValueError(f"{mesh} has axes {others} besides dp; this version parallelises over dp only "
+                             "(tensor, pipeline and expert parallelism need their passes). Use autopar.mesh(dp=N)")
+        plan = Plan(mesh=dict(mesh.sizes), dp_axis="dp" if "dp" in mesh.sizes else None)
+        plan.notes.append(f"data parallel over dp={mesh.size('dp')}: every rank holds the whole model")
+    elif plan.mesh != dict(mesh.sizes):
+        raise ValueError(f"the plan is for mesh {plan.mesh} but the mesh is {dict(mesh.sizes)}")
+    shortcut = {k: v for k, v in {"zero_stage": zero_stage, "bucket_mb": bucket_mb,
+                                  "n_microbatches": n_microbatches}.items() if v is not None}
+    all_pins = {**(pins or {}), **shortcut}
+    return plan.pin(**all_pins) if all_pins else plan
+
+
+def _batch_is_static(gm) -> bool:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            shape = ir.info(n).shape
+            if shape and isinstance(shape[0], int):
+                return True
+    return False
+
+
+def _predict(plan: Plan, gm, mesh: Mesh) -> None:
+    """Fill plan.predicted from the cost model when it is available."""
+    try:
+        from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
+    except ImportError:
+        return
+    fn = getattr(cost_estimate, "estimate", None)
+    if fn is None:
+        return
+    try:
+        est = fn(gm, plan, "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm")
+        plan.predicted = est.summary() if hasattr(est, "summary") else {}
+    except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
+        plan.predicted = {"error": f"{type(e).__name__}: {e}"}

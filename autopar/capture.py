@@ -1,0 +1,234 @@
+"""Capture an nn.Module as an ATen-level torch.fx graph: autopar's one IR.
+
+Path 1, `torch.export` (non-strict, training IR): high-level ops stay whole (aten.linear,
+aten.rms_norm, aten.scaled_dot_product_attention ...), every node carries its module path.
+Path 2 when export fails: `fx.symbolic_trace` (honouring `leaf_modules`) then `make_fx`
+(pre-dispatch, module stack recorded) of the traced module. Path 3: `make_fx` of the module
+itself. The first that works wins; when none does, the error names the module and the op
+that broke each path and suggests `leaf_modules=`.
+
+`leaf_modules=["path.to.sub", ...]` turns untraceable submodules into one opaque node each
+(`torch.ops.autopar.leaf`), replicated under every plan; their parameters still train.
+
+Capture runs on the device of the example inputs: meta tensors (and a model built under
+`torch.device("meta")`) capture a 70B-parameter model in well under 1 GB of RAM.
+
+The result is normalised to one form whatever the path:
+  * a `fx.GraphModule` whose placeholders are the flattened example inputs and whose output
+    is a flat tuple (pytree specs in `gm.meta["autopar_in_spec"/"autopar_out_spec"]`);
+  * parameters and buffers are `get_attr` nodes named as in the original model;
+  * every node has `meta["val"]` (fake tensor) and, through `passes.ir`, the annotation
+    `meta["autopar"]` (shape, dtype, module path, parameter name).
+  * `gm.meta["autopar_capture"]`: which path worked, seconds taken, errors of failed paths.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported by torch as the public pytree API)
+from torch.export import Dim
+
+from autopar.passes import ir
+from autopar.runtime import leaf as leaf_rt
+
+
+class CaptureError(RuntimeError):
+    """No capture path worked. The message names the module and op for each path."""
+
+
+def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kwargs: dict | None = None,
+            leaf_modules: Iterable[str] = (), dynamic_batch: bool = True,
+            dynamic_shapes: Any = None, paths: Sequence[str] = ("export", "symbolic_trace", "make_fx")
+            ) -> fx.GraphModule:
+    """Capture `model` on `example_inputs` as a normalised ATen-level GraphModule.
+
+    Args:
+        model: the module (real, meta or fake parameters).
+        example_inputs: a tensor or a tuple of positional inputs.
+        example_kwargs: keyword inputs, if the forward takes any.
+        leaf_modules: module paths to keep opaque (one node each).
+        dynamic_batch: mark dim 0 of every tensor input as dynamic (when export can keep it).
+        dynamic_shapes: passed to torch.export as is (overrides dynamic_batch).
+        paths: the capture paths to try, in order.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    leaf_modules = list(leaf_modules)
+    names = dict(model.named_modules())
+    missing = [p for p in leaf_modules if p not in names]
+    if missing:
+        raise ValueError(f"leaf_modules {missing} are not submodules of {type(model).__name__}; "
+                         f"some of its module paths: {list(names)[1:8]}")
+    if leaf_modules:
+        dynamic_batch = False  # an opaque leaf's output shape is inferred for the example's shapes
+    errors: dict[str, str] = {}
+    with leaf_rt.opaque(model, leaf_modules, args, kwargs):
+        for path in paths:
+            t0 = time.perf_counter()
+            try:
+                if path == "export":
+                    gm, in_spec, out_spec = _via_export(model, args, kwargs, dynamic_batch, dynamic_shapes)
+                elif path == "symbolic_trace":
+                    gm, in_spec, out_spec = _via_symbolic_trace(model, args, kwargs, leaf_modules)
+                elif path == "make_fx":
+                    gm, in_spec, out_spec = _via_make_fx(model, model, args, kwargs)
+                else:
+                    raise ValueError(f"unknown capture path {path!r}; use export, symbolic_trace, make_fx")
+            except ValueError as e:
+                if "unknown capture path" in str(e):
+                    raise
+                errors[path] = _summarise(e)
+                continue
+            except Exception as e:  # noqa: BLE001 - every failure is reported below
+                errors[path] = _summarise(e)
+                continue
+            gm.meta["autopar_in_spec"] = in_spec
+            gm.meta["autopar_out_spec"] = out_spec
+            gm.meta["autopar_capture"] = {"path": path, "seconds": round(time.perf_counter() - t0, 3),
+                                         "failed": errors}
+            ir.annotate_graph(gm, model)
+            return gm
+    raise CaptureError(_explain(model, errors))
+
+
+# --- paths -------------------------------------------------------------------------------
+def _batch_dims(args, kwargs):
+    def spec(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return {0: Dim.AUTO}
+        return None
+
+    return (pytree.tree_map(spec, args, is_leaf=lambda x: isinstance(x, torch.Tensor)),
+            pytree.tree_map(spec, kwargs, is_leaf=lambda x: isinstance(x, torch.Tensor)))
+
+
+def _via_export(model, args, kwargs, dynamic_batch, dynamic_shapes):
+    if dynamic_shapes is None and dynamic_batch:
+        a, k = _batch_dims(args, kwargs)
+        dynamic_shapes = (*a, *([k] if k else [])) if not kwargs else {**dict(zip(_arg_names(model, len(args)), a)), **k}
+    ep = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=dynamic_shapes)
+    unlifted = ep.module()
+    gm = _plain_graph_module(unlifted, unlifted.graph)
+    return gm, ep.call_spec.in_spec, ep.call_spec.out_spec
+
+
+def _arg_names(model, n):
+    import inspect
+
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [p.name for p in params[:n]]
+
+
+def _via_symbolic_trace(model, args, kwargs, leaf_modules):
+    class _Tracer(fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return qualname in leaf_modules or super().is_leaf_module(m, qualname)
+
+    graph = _Tracer().trace(model)
+    traced = fx.GraphModule(model, graph)
+    return _via_make_fx(traced, model, args, kwargs)
+
+
+def _via_make_fx(fn_module, model, args, kwargs):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    flat_args, in_spec = pytree.tree_flatten((args, kwargs))
+    out_spec_box = []
+
+    def f(state, *flat):
+        a, k = pytree.tree_unflatten(list(flat), in_spec)
+        out = torch.func.functional_call(fn_module, state, a, k)
+        flat_out, spec = pytree.tree_flatten(out)
+        out_spec_box.append(spec)
+        return tuple(flat_out)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # fx warns about get_attr targets we add next
+        traced = make_fx(f, pre_dispatch=True, record_module_stack=True, tracing_mode="fake")(named, *flat_args)
+    graph = traced.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    n_state = len(pytree.tree_leaves(named))
+    state_names = list(named)
+    for ph, name in zip(placeholders[:n_state], state_names):
+        with graph.inserting_before(ph), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the root module is attached below
+            ga = graph.get_attr(name)
+        ga.meta = dict(ph.meta)
+        ph.replace_all_uses_with(ga)
+        graph.erase_node(ph)
+    gm = _plain_graph_module(model, graph)
+    return gm, in_spec, out_spec_box[-1]
+
+
+def _plain_graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule with flat positional inputs and a flat tuple output; export's guard
+    node and pytree codegen are dropped (the specs are kept in gm.meta)."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op == "call_module" and n.target == "_guards_fn":
+            continue
+        if n.op == "output":
+            outs = pytree.tree_leaves(n.args[0])
+            new.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outs))
+            continue
+        env[n] = new.node_copy(n, lambda x: env[x])
+        env[n].meta = dict(n.meta)
+    new.lint()
+    return fx.GraphModule(root, new, class_name="CapturedGraph")
+
+
+# --- errors ------------------------------------------------------------------------------
+def _summarise(e: BaseException) -> str:
+    """One paragraph: the exception and the user-code frame nearest to it."""
+    tb = traceback.extract_tb(e.__traceback__)
+    user = [f for f in tb if "site-packages/torch" not in f.filename and "/autopar/" not in f.filename
+            and "/passes/" not in f.filename]
+    where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].name}: {user[-1].line})" if user else ""
+    msg = str(e).strip().splitlines()
+    head = " ".join(msg[:3])[:600] if msg else type(e).__name__
+    return f"{type(e).__name__}: {head}{where}"
+
+
+def _explain(model: nn.Module, errors: dict[str, str]) -> str:
+    culprit = _culprit_module(model, errors)
+    lines = [f"could not capture {type(model).__name__} with any path:"]
+    for path, err in errors.items():
+        lines.append(f"  {path}: {err}")
+    hint = f"leaf_modules=[{culprit!r}]" if culprit else "leaf_modules=['<path of the submodule>']"
+    lines.append(f"The failing code is in module {culprit or '<unknown>'!r}. If that submodule cannot be "
+                 f"traced, keep it opaque: autopar.capture(model, inputs, {hint}) "
+                 "(it then runs replicated on every rank).")
+    return "\n".join(lines)
+
+
+def _culprit_module(model: nn.Module, errors: dict[str, str]) -> str | None:
+    """The deepest submodule whose forward's source file and line appear in an error."""
+    import inspect
+
+    best = None
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+        try:
+            src, start = inspect.getsourcelines(type(mod).forward)
+            fname = inspect.getsourcefile(type(mod).forward)
+        except (OSError, TypeError):
+            continue
+        for err in errors.values():
+            for ln in range(start, start + len(src)):
+                if f"{fname}:{ln} " in err:
+                    if best is None or name.count(".") > best.count("."):
+                        best = name
+    return best

@@ -1,0 +1,123 @@
+"""Runs passes over a graph: times them, verifies the graph after each, writes dumps.
+
+A pass is a function `pass_name(gm, ctx) -> gm` that keeps no state between runs. The manager
+runs a list of them in order; after each it lints the graph, checks that every node still
+carries its autopar annotation, and records a `PassRecord` (name, milliseconds, node counts
+before and after, collectives added by kind). With a dump directory (`AUTOPAR_DUMP=dir` or
+`dump_dir=`), it writes the captured graph and the graph after each pass that changed it as
+numbered, readable, deterministic Python files (see `passes.dump`). When a pass raises, the
+graph it was given is written as `NN_<pass>.FAILED.py` (a reproducer) and the error names
+the pass.
+
+Reads/writes: node.meta["autopar"] (verifies presence; passes write it through `passes.ir`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from . import dump as dump_mod
+from . import ir
+
+Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+
+
+@dataclass
+class PassContext:
+    """What passes may read: the plan, the mesh shape, this rank's coordinates, options."""
+
+    plan: Any
+    mesh_sizes: dict[str, int]
+    coords: dict[str, int] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    ms: float
+    nodes_before: int
+    nodes_after: int
+    collectives_added: tuple[tuple[str, int], ...]
+    changed: bool
+
+    def header(self) -> str:
+        coll = ", ".join(f"+{n} {k}" for k, n in self.collectives_added)
+        return (f"made by {self.name} ({self.ms:.0f} ms); nodes {self.nodes_before} -> {self.nodes_after}"
+                + (f"; {coll}" if coll else ""))
+
+
+class PassError(RuntimeError):
+    pass
+
+
+def collective_counts(gm: fx.GraphModule) -> Counter:
+    """Collective nodes in the graph by op name (ops in the `autopar` namespace)."""
+    c: Counter = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "autopar":
+            name = n.target._opname if hasattr(n.target, "_opname") else str(n.target)
+            if name != "leaf":
+                c[name] += 1
+    return c
+
+
+def verify(gm: fx.GraphModule, pass_name: str) -> None:
+    try:
+        gm.graph.lint()
+    except Exception as e:  # noqa: BLE001
+        raise PassError(f"pass {pass_name!r} left an invalid graph: {e}") from e
+    missing = ir.unannotated_ops(gm)
+    if missing:
+        raise PassError(f"pass {pass_name!r} created {len(missing)} nodes without autopar annotations "
+                        f"(use passes.ir.copy_meta/set_info), e.g. {missing[0]}")
+
+
+def _fingerprint(gm: fx.GraphModule) -> str:
+    return gm.graph.python_code("self").src
+
+
+class PassManager:
+    def __init__(self, passes: list[Pass], dump_dir: str | None = None):
+        self.passes = passes
+        self.dump_dir = dump_dir if dump_dir is not None else os.environ.get("AUTOPAR_DUMP") or None
+        self.records: list[PassRecord] = []
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext, tag: str = "") -> fx.GraphModule:
+        """Run every pass on `gm`; `tag` (e.g. "rank0") prefixes dump file names."""
+        prefix = f"{tag}_" if tag else ""
+        if self.dump_dir:
+            dump_mod.write_graph(gm, os.path.join(self.dump_dir, f"{prefix}00_captured.py"),
+                                 header="captured: " + str(gm.meta.get("autopar_capture", {}).get("path", "?")))
+        for i, p in enumerate(self.passes, start=1):
+            name = getattr(p, "__name__", repr(p))
+            before_n = len(gm.graph.nodes)
+            before_c = collective_counts(gm)
+            before_src = _fingerprint(gm)
+            t0 = time.perf_counter()
+            try:
+                out = p(gm, ctx)
+            except Exception as e:
+                if self.dump_dir:
+                    dump_mod.write_graph(gm, os.path.join(self.dump_dir, f"{prefix}{i:02d}_{name}.FAILED.py"),
+                                         header=f"input of {name}, which raised {type(e).__name__}: {e}")
+                raise PassError(f"pass {name!r} failed: {type(e).__name__}: {e}") from e
+            ms = (time.perf_counter() - t0) * 1e3
+            if out is None:
+                raise PassError(f"pass {name!r} returned None; a pass returns the graph module")
+            gm = out
+            gm.recompile()
+            verify(gm, name)
+            added = collective_counts(gm) - before_c
+            changed = _fingerprint(gm) != before_src
+            rec = PassRecord(name, ms, before_n, len(gm.graph.nodes), tuple(sorted(added.items())), changed)
+            self.records.append(rec)
+            if self.dump_dir and changed:
+                dump_mod.write_graph(gm, os.path.join(self.dump_dir, f"{prefix}{i:02d}_{name}.py"),
+                                     header=rec.header())
+        return gm

@@ -1,0 +1,131 @@
+"""Spawn a local world of N processes on gloo (CPU) or NCCL, run one function on every rank,
+and bring back each rank's result or its traceback.
+
+Used by the test harness, `autopar verify` and the quick-start job. It never hangs: the whole
+world has a deadline, c10d collectives have a timeout, and a failed or silent rank is
+reported by number with its traceback (or as "did not finish").
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+
+class WorldError(RuntimeError):
+    """One or more ranks of a spawned world failed or did not finish."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, init_file: str, backend: str, fn: Callable, args: tuple,
+           kwargs: dict, queue, threads: int, collective_timeout_s: float):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a failed collective may leave the group unusable
+                pass
+        # pickle by value here: the queue's own pickler would pass tensors as shared-memory
+        # handles that die with this process
+        try:
+            payload = pickle.dumps(result)
+        except Exception:
+            payload = pickle.dumps(repr(result))
+        queue.put((rank, True, payload))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
+              collective_timeout_s: float = 60.0, threads: int | None = None,
+              start_method: str | None = None, **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` fresh processes.
+
+    Returns the list of per-rank results (must pickle; otherwise their repr). Raises
+    `WorldError` naming each failed rank with its traceback, or the ranks that did not
+    finish within `timeout_s`.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    method = start_method or os.environ.get("AUTOPAR_START_METHOD", "fork")
+    ctx = mp.get_context(method)
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="autopar_world_") as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_child, args=(r, world_size, init_file, backend, fn, args, kwargs,
+                                                   queue, threads, collective_timeout_s), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = queue.get(timeout=0.2)
+                results[rank] = (ok, payload)
+                if not ok:
+                    # give the others a moment to report their own errors, then stop
+                    grace = time.monotonic() + 5.0
+                    while len(results) < world_size and time.monotonic() < grace:
+                        try:
+                            r2, ok2, p2 = queue.get(timeout=0.2)
+                            results[r2] = (ok2, p2)
+                        except Exception:
+                            pass
+                    break
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results]
+                if dead:
+                    # a child died without reporting (segfault, os._exit): drain, then report
+                    time.sleep(0.5)
+                    while True:
+                        try:
+                            rank, ok, payload = queue.get_nowait()
+                            results[rank] = (ok, payload)
+                        except Exception:
+                            break
+                    for r in dead:
+                        results.setdefault(r, (False, f"rank {r} exited with code {procs[r].exitcode} "
+                                                      "without reporting"))
+                    break
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    failed = {r: v for r, (ok, v) in results.items() if not ok}
+    missing = [r for r in range(world_size) if r not in results]
+    if failed or missing:
+        parts = []
+        for r in sorted(failed):
+            parts.append(f"--- rank {r} failed:\n{failed[r]}")
+        if missing:
+            why = "stopped after another rank failed" if failed else f"did not finish within {timeout_s:.0f} s"
+            parts.append(f"--- ranks {missing} {why}")
+        raise WorldError(f"{len(failed)} of {world_size} ranks failed, {len(missing)} did not report\n"
+                         + "\n".join(parts))
+    return [pickle.loads(results[r][1]) for r in range(world_size)]

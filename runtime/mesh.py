@@ -1,0 +1,155 @@
+"""The device mesh: named axes over the ranks of a job.
+
+A `Mesh` is first a shape (`{"dp": 2, "tp": 2}`), usable for planning without any process
+(64 or 16k ranks on one laptop). When the job is running (`torch.distributed` initialised),
+`Mesh.device_mesh` builds PyTorch's `DeviceMesh` over it, and `group(axis)` returns the
+process group of this rank along an axis. Rank layout is row-major over the axes in order:
+the last axis varies fastest (put `tp` last so that it stays inside a node).
+
+Guarantees: the product of the axis sizes equals the world size whenever a process group
+exists; axis names are unique; errors name the sizes and say how to fix them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+# Canonical order when sizes are given as keywords: pipeline outermost, tensor innermost.
+AXIS_ORDER = ("pp", "dp", "ep", "cp", "tp")
+
+
+@dataclass
+class Mesh:
+    sizes: dict[str, int]
+    device_type: str = "cpu"
+    _device_mesh: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.sizes:
+            raise ValueError("a mesh needs at least one axis, e.g. autopar.mesh(dp=4)")
+        for a, s in self.sizes.items():
+            if not isinstance(s, int) or s < 1:
+                raise ValueError(f"mesh axis {a!r} has size {s!r}; sizes must be positive integers")
+
+    # --- shape -------------------------------------------------------------------------
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.sizes)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.sizes.values():
+            n *= s
+        return n
+
+    def size(self, axis: str) -> int:
+        if axis not in self.sizes:
+            return 1
+        return self.sizes[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along every axis (row-major, last axis fastest)."""
+        out: dict[str, int] = {}
+        rest = rank
+        for a in reversed(self.axis_names):
+            out[a] = rest % self.sizes[a]
+            rest //= self.sizes[a]
+        return dict(reversed(list(out.items())))
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        r = 0
+        for a in self.axis_names:
+            r = r * self.sizes[a] + coords.get(a, 0)
+        return r
+
+    def axis_ranks(self, axis: str, rank: int) -> list[int]:
+        """The global ranks in `rank`'s group along `axis`, in axis order."""
+        c = self.coords(rank)
+        return [self.rank_of({**c, axis: i}) for i in range(self.sizes[axis])]
+
+    def __str__(self) -> str:
+        return "Mesh(" + ", ".join(f"{a}={s}" for a, s in self.sizes.items()) + ")"
+
+    # --- live job ----------------------------------------------------------------------
+    @property
+    def device_mesh(self):
+        """PyTorch's DeviceMesh over this shape (built once, needs torch.distributed)."""
+        if self._device_mesh is None:
+            if not dist.is_initialized():
+                raise RuntimeError(f"{self} has no process group: start the job with torchrun "
+                                   "(or autopar's launcher) before running on it")
+            ws = dist.get_world_size()
+            if ws != self.world_size:
+                raise ValueError(f"{self} has {self.world_size} ranks but the job has world size {ws}; "
+                                 f"choose axis sizes whose product is {ws}")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(self.device_type, tuple(self.sizes.values()),
+                                                 mesh_dim_names=self.axis_names)
+        return self._device_mesh
+
+    def group(self, axis: str):
+        """This rank's process group along `axis`."""
+        if axis not in self.sizes:
+            raise ValueError(f"{self} has no axis {axis!r}; its axes are {list(self.axis_names)}")
+        return self.device_mesh.get_group(axis)
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's index along `axis` (0 when the axis is absent)."""
+        if axis not in self.sizes:
+            return 0
+        return self.coords(dist.get_rank())[axis]
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+
+def make_mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None,
+              **axes: int) -> Mesh:
+    """Build a Mesh from axis sizes, a world size, a DeviceMesh, or torchrun's environment.
+
+    `make_mesh(dp=2, tp=2)`; `make_mesh(world_size=64)` (all data parallel until a planner
+    factorises it); `make_mesh(device_mesh=dm)`; `make_mesh()` inside a torchrun job.
+    """
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_mesh is not None:
+        if axes or world_size is not None:
+            raise ValueError("pass either a DeviceMesh or axis sizes, not both")
+        names = device_mesh.mesh_dim_names
+        if names is None:
+            raise ValueError("the DeviceMesh has no mesh_dim_names; build it with "
+                             "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+        m = Mesh(dict(zip(names, device_mesh.mesh.shape)), device_type=device_mesh.device_type)
+        m._device_mesh = device_mesh
+        return m
+    unknown = [a for a in axes if a not in AXIS_ORDER]
+    if unknown:
+        raise ValueError(f"unknown mesh axes {unknown}; use {list(AXIS_ORDER)}")
+    sizes = {a: axes[a] for a in AXIS_ORDER if a in axes and axes[a] is not None}
+    if world_size is None:
+        if dist.is_initialized():
+            world_size = dist.get_world_size()
+        elif "WORLD_SIZE" in os.environ:
+            world_size = int(os.environ["WORLD_SIZE"])
+    if not sizes:
+        if world_size is None:
+            raise ValueError("give the mesh a size: autopar.mesh(world_size=8), autopar.mesh(dp=2, tp=4), "
+                             "or run under torchrun")
+        sizes = {"dp": world_size}
+    prod = 1
+    for s in sizes.values():
+        prod *= s
+    if world_size is not None and prod != world_size:
+        desc = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ValueError(f"mesh {desc} has {prod} ranks but the world size is {world_size}; "
+                         f"choose axis sizes whose product is {world_size}")
+    return Mesh(sizes, device_type=device_type)

@@ -1,0 +1,124 @@
+"""The per-rank program: runs the rewritten graph and a training step on one rank.
+
+`Program` holds this rank's graph module (parameters included), the mesh, and the engine
+that reduces and shards gradients and optimizer state (`runtime.zero`). `step(batch,
+loss_fn)` takes the *global* batch, keeps this rank's part along the data-parallel axis
+(dim 0), splits it into micro-batches, runs forward and backward (communicating only on the
+last micro-batch), and returns the loss of the whole global batch (the mean over the
+data-parallel ranks of their local mean losses, which equals the one-process loss when
+`loss_fn` is a mean over the batch).
+
+The runtime knows nothing of plans or graphs beyond "a module to call": the brain decides,
+the passes rewrite, this runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from . import collectives as C
+from .mesh import Mesh
+from .zero import broadcast_module, make_engine
+
+
+class Program(nn.Module):
+    def __init__(self, module: nn.Module, mesh: Mesh, *, dp_axis: str | None = "dp", zero_stage: int = 0,
+                 bucket_mb: float = 25.0, in_spec=None, out_spec=None, sync_init: bool = True,
+                 engine_options: dict | None = None):
+        super().__init__()
+        self.module = module
+        self.mesh = mesh
+        self.dp_axis = dp_axis if dp_axis in mesh.sizes else None
+        self.dp = mesh.size(self.dp_axis) if self.dp_axis else 1
+        self.in_spec, self.out_spec = in_spec, out_spec
+        C.set_active_mesh(mesh)
+        if sync_init and self.dp > 1 and dist.is_initialized():
+            broadcast_module(module, self.dp_axis)
+        self.engine = make_engine(module, mesh, self.dp_axis, zero_stage, bucket_mb, **(engine_options or {}))
+
+    # --- forward ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any):
+        C.set_active_mesh(self.mesh)
+        if self.in_spec is not None:
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            if spec != self.in_spec:
+                raise ValueError(f"inputs do not match the captured structure: got {spec}, captured {self.in_spec}")
+        else:
+            flat = list(args)
+        out = self.module(*flat)
+        if self.out_spec is not None:
+            out = pytree.tree_unflatten(list(out), self.out_spec)
+        return out
+
+    # --- training step ---------------------------------------------------------------------
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a global batch: dim 0 of every tensor split over the dp axis."""
+        if self.dp == 1:
+            return batch
+        idx = self.mesh.local_rank(self.dp_axis)
+
+        def take(t):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            n = t.shape[0]
+            if n % self.dp:
+                raise ValueError(f"the global batch has {n} rows, which does not divide by "
+                                 f"{self.dp_axis}={self.dp}; use a batch size that is a multiple of {self.dp}")
+            k = n // self.dp
+            return t[idx * k:(idx + 1) * k]
+
+        return pytree.tree_map(take, batch)
+
+    def step(self, batch: Sequence[Any], loss_fn: Callable, n_microbatches: int = 1) -> torch.Tensor:
+        """Forward and backward of one global batch `(inputs, targets)`; returns its loss.
+
+        `inputs` is a tensor or a tuple of the model's positional inputs; `targets` goes to
+        `loss_fn(output, targets)`. Gradients are left reduced (and sharded, under ZeRO) for
+        the optimizer's `step()`.
+        """
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError("model.step takes batch=(inputs, targets): inputs a tensor or tuple of "
+                             f"the model's inputs, targets what loss_fn needs; got {type(batch).__name__}"
+                             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        inputs, targets = self.local_batch(tuple(batch))
+        if not isinstance(inputs, (tuple, list)):
+            inputs = (inputs,)
+        micro = _split_micro((tuple(inputs), targets), n_microbatches)
+        total = None
+        for i, (mb_in, mb_tgt) in enumerate(micro):
+            last = i == len(micro) - 1
+            out = self(*mb_in)
+            loss = loss_fn(out, mb_tgt)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            scaled = loss / len(micro)
+            if last:
+                scaled.backward()
+            else:
+                with self.engine.no_sync():
+                    scaled.backward()
+            total = scaled.detach() if total is None else total + scaled.detach()
+        self.engine.finish_backward()
+        if self.dp > 1:
+            total = total.clone()
+            C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
+            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis))
+        return total
+
+
+def _split_micro(batch, n: int):
+    if n == 1:
+        return [batch]
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+    for s in sizes:
+        if s % n:
+            raise ValueError(f"the local batch has {s} rows, which does not divide into {n} micro-batches")
+    chunks = [t.chunk(n) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * n for t in leaves]
+    return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(n)]
