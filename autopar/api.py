@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from autopar.runtime._torch_compat import pytree
 
 from autopar.capture import capture
 from autopar.passes import ir
@@ -24,6 +24,7 @@ from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.split_batch import split_batch
+from autopar.passes.zero import zero
 from autopar.runtime.mesh import Mesh, make_mesh
 from autopar.runtime.program import Program
 
@@ -146,7 +147,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch], dump_dir=dump_dir)
+    pm = PassManager([split_batch, zero], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
                       in_spec=global_gm.meta.get("autopar_in_spec"), out_spec=global_gm.meta.get("autopar_out_spec"),

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree  # noqa: F401  (re-exported by torch as the public pytree API)
+from autopar.runtime._torch_compat import pytree
 from torch.export import Dim
 
 from autopar.passes import ir

@@ -10,3 +10,9 @@ from __future__ import annotations
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: F401
 
 __all__ = ["FakeTensorMode", "unset_fake_temporarily"]
+
+# pytree: flattening nested inputs/outputs with a spec that round-trips. torch ships no public
+# module for it in 2.11-2.13 (torch.utils.pytree does not exist there).
+import torch.utils._pytree as pytree  # noqa: E402,F401
+
+__all__ += ["pytree"]

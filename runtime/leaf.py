@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from ._torch_compat import pytree
 
 _LEAVES: dict[str, nn.Module] = {}
 _OUT_SPECS: dict[str, Any] = {}

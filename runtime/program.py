@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
+from ._torch_compat import pytree
 
 from . import collectives as C
 from .mesh import Mesh
@@ -91,6 +91,7 @@ class Program(nn.Module):
             inputs = (inputs,)
         micro = _split_micro((tuple(inputs), targets), n_microbatches)
         total = None
+        loss_work = None
         for i, (mb_in, mb_tgt) in enumerate(micro):
             last = i == len(micro) - 1
             out = self(*mb_in)
@@ -98,17 +99,22 @@ class Program(nn.Module):
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
             scaled = loss / len(micro)
+            total = scaled.detach() if total is None else total + scaled.detach()
+            if last and self.dp > 1:
+                # average the reported loss over dp while backward runs (issued before any
+                # gradient bucket, so every rank sees the same collective order)
+                total = total.clone()
+                C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
+                loss_work = dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis),
+                                            async_op=True)
             if last:
                 scaled.backward()
             else:
                 with self.engine.no_sync():
                     scaled.backward()
-            total = scaled.detach() if total is None else total + scaled.detach()
         self.engine.finish_backward()
-        if self.dp > 1:
-            total = total.clone()
-            C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
-            dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis))
+        if loss_work is not None:
+            loss_work.wait()
         return total
 
 

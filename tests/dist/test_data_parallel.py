@@ -48,13 +48,14 @@ def _one_process(name, steps=3, n_micro=1):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def _parallel(rank, ws, names, steps=3, n_micro=1, dump_dir=None):
+def _parallel(rank, ws, names, steps=3, n_micro=1, dump_dir=None, zero_stage=0):
     out = {}
     for name in names:
         model, loss_fn, batch = _build(name)
         g = torch.Generator().manual_seed(1)
         x0, _ = batch(BATCH, generator=torch.Generator().manual_seed(1))
-        pm = autopar.parallelize(model, autopar.mesh(dp=ws), example_inputs=x0, n_microbatches=n_micro)
+        pm = autopar.parallelize(model, autopar.mesh(dp=ws), example_inputs=x0, n_microbatches=n_micro,
+                                 zero_stage=zero_stage)
         opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-2)
         losses = []
         for _ in range(steps):
@@ -65,7 +66,11 @@ def _parallel(rank, ws, names, steps=3, n_micro=1, dump_dir=None):
             losses.append(loss.item())
         if dump_dir and name == names[0]:
             pm.dump(dump_dir)
-        out[name] = (losses, {k: v.detach().clone() for k, v in pm.program.module.named_parameters()})
+        if zero_stage == 0:
+            params = {k: v.detach().clone() for k, v in pm.program.module.named_parameters()}
+        else:
+            params = pm.engine.gather_full_state_dict()
+        out[name] = (losses, params)
     return out
 
 
@@ -100,6 +105,11 @@ def test_dp4_gpt_and_moe_match_single_process_after_three_adamw_steps():
 
 def test_dp2_with_two_microbatches_matches_single_process():
     _check(world(2, _parallel, ["gpt-tiny"], n_micro=2), ["gpt-tiny"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_dp2_each_zero_stage_through_parallelize_matches_single_process(stage):
+    _check(world(2, _parallel, ["gpt-tiny"], zero_stage=stage), ["gpt-tiny"])
 
 
 def _bad_inputs(rank, ws):

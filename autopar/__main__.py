@@ -1,0 +1,3 @@
+from autopar.cli import main
+import sys
+sys.exit(main())

@@ -1,0 +1,129 @@
+"""The optimizer side of the ZeRO engines: a wrapper over the user's `torch.optim` class, and
+dynamic loss scaling for fp16.
+
+`ShardedOptimizer` builds the user's optimizer class over the engine's *master* tensors —
+this rank's fp32 rows of every parameter (stages 1-3), or the full parameters (stage 0) —
+and on `step()` lets the engine finish any pending reduction, skip the update when fp16
+gradients overflowed, and write the updated masters back into the model (cast, all-gather or
+nothing, by stage). It is a `torch.optim.Optimizer` (LR schedulers accept it) whose
+`param_groups` and `state` are the inner optimizer's. Any optimizer whose update is
+elementwise in the parameter (SGD, Adam, AdamW, Adagrad, RMSprop, ...) gives the same result
+as on one process; one whose update depends on the parameter's shape (Adafactor's row/column
+statistics) sees only the local rows.
+
+`DynamicLossScaler` follows torch.amp.GradScaler's rule: scale the gradients by S, skip the
+step and multiply S by `backoff_factor` when any gradient is inf/NaN (decided over the whole
+axis), multiply S by `growth_factor` after `growth_interval` clean steps. The engine applies
+S by scaling the gradient that enters the model's outputs (`ScaleGrad`), which equals
+scaling the loss, so `loss.backward()` is written as without scaling.
+
+It reads and writes no `node.meta` keys.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class DynamicLossScaler:
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, dynamic: bool = True):
+        if init_scale <= 0 or growth_factor < 1 or not 0 < backoff_factor < 1 or growth_interval < 1:
+            raise ValueError(f"bad loss scaler settings init_scale={init_scale}, growth_factor={growth_factor}, "
+                             f"backoff_factor={backoff_factor}, growth_interval={growth_interval}; need "
+                             "init_scale > 0, growth_factor >= 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.dynamic = growth_interval, dynamic
+        self._good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.skipped_steps += 1
+            self._good_steps = 0
+            if self.dynamic:
+                self.scale *= self.backoff_factor
+            return
+        self._good_steps += 1
+        if self.dynamic and self._good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self._good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale, self._good_steps, self.skipped_steps = sd["scale"], sd["good_steps"], sd["skipped_steps"]
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by the scaler's current scale."""
+
+    @staticmethod
+    def forward(ctx, x, scaler):
+        ctx.scaler = scaler
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scaler.scale, None
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: float) -> bool:
+    """Divide `grads` by `scale` in place; True when any of them holds inf or NaN."""
+    found = False
+    inv = 1.0 / scale
+    for g in grads:
+        if not found and not bool(torch.isfinite(g).all()):
+            found = True
+        g.mul_(inv)
+    return found
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """`cls` over the engine's master tensors. Use `step()`, `zero_grad()`, `param_groups`,
+    `state_dict()` / `load_state_dict()` as with any optimizer; the state dict is this rank's
+    shard (a per-rank checkpoint, to be loaded on the same rank of the same mesh)."""
+
+    def __init__(self, engine, cls, groups: list[dict], **kwargs):
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"make_optimizer needs a torch.optim.Optimizer subclass, got {cls!r}")
+        self.engine = engine
+        self.optim = cls(groups, **kwargs)
+        masters = [p for g in self.optim.param_groups for p in g["params"]]
+        super().__init__(masters, self.optim.defaults)
+        # share the inner optimizer's groups and state, so LR schedulers and checkpoints see them
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step does not take a closure: run forward and backward "
+                             "(and engine.finish_backward()) before step()")
+        return self.engine._optimizer_step(self.optim)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+        self.optim.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        sd = self.optim.state_dict()
+        sd["autopar_zero"] = {"stage": self.engine.stage, "dp": self.engine.k, "index": self.engine.index,
+                              "loss_scaler": self.engine.scaler.state_dict() if self.engine.scaler else None}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        sd = dict(state_dict)
+        meta = sd.pop("autopar_zero", None)
+        if meta is not None and (meta["dp"], meta["index"]) != (self.engine.k, self.engine.index):
+            raise ValueError(f"this optimizer state is rank index {meta['index']} of dp={meta['dp']}, but this rank "
+                             f"is index {self.engine.index} of dp={self.engine.k}; load each rank's own shard on "
+                             "the same mesh (resharding goes through gather_full_state_dict)")
+        self.optim.load_state_dict(sd)
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+        if meta is not None and meta.get("loss_scaler") and self.engine.scaler:
+            self.engine.scaler.load_state_dict(meta["loss_scaler"])
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(stage={self.engine.stage}, {self.optim!r})"
