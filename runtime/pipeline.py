@@ -1,0 +1,593 @@
+"""Pipeline-parallel executor: runs a `runtime.schedules.Schedule` over the pp axis of a mesh.
+
+Each rank holds the stage modules the schedule places on it (one, or several for
+interleaved / V schedules) and runs its action list in order: `F` runs a stage forward and
+sends the outputs to the next stage, `B` runs the full backward and sends the input gradients
+to the previous stage, `I`/`W` split the backward into the input part (sent at once) and the
+weight part (run later to fill bubbles). Stages that sit on the same rank hand tensors over
+directly. The last stage applies `loss_fn(output, target)`; the backward is seeded with
+1/n_microbatches, so the gradients summed over micro-batches equal those of one step on the
+whole batch (for a mean loss and equal micro-batches); `step` returns the mean loss on every
+pp rank (broadcast from the rank that holds the last stage).
+
+Why our own executor and not `torch.distributed.pipelining`: its `PipelineStage` and the
+public schedule classes run torch's own orders only; running an arbitrary action list
+(`_PipelineScheduleRuntime`, `_Action`) is private API, which this package confines to
+`runtime/_torch_compat.py`; its gradient sync knows DDP/FSDP modules, not our ZeRO engines;
+and it has no tied-parameter option. The executor therefore uses public c10d point-to-point
+calls (`isend`/`irecv` on the pp group) and public autograd graph APIs (`get_gradient_edge`,
+`Node.register_prehook`, `autograd.backward` on `GradientEdge`s). `benchmarks/bench_pipeline.py`
+measures it against `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B`.
+
+Communication. Tensors between stages may be a tensor or a tuple of tensors (any dtype; a
+floating tensor that requires grad gets a gradient back). Shapes are exchanged, not
+inferred: the first message of every (stage, direction) channel in a step is preceded by a
+small int64 metadata message (count, then dtype / requires_grad / shape of each tensor); the
+later micro-batches of the step must have the same shapes (a `ValueError` says so otherwise).
+Receives are posted in the order the peer sends (both sides derive it from the schedule),
+so matching needs no tags (NCCL has none; only gloo is tested here); the receive for the
+next action is posted before the current one computes, so transfers overlap compute. Sends are
+asynchronous and awaited at the end of the step; the schedule is checked by the simulator at
+construction, so a run cannot deadlock on the schedule's own waits.
+
+Zero-bubble split (`I` then `W`): `I` computes only the input gradients
+(`autograd.grad(outputs, inputs)`), capturing the gradient arriving at every autograd node
+that lies on an input path and has an edge towards a parameter (the "frontier", as in
+torch's `stage_backward_input`); `W` restarts autograd from those nodes' captured gradients
+towards the parameters only, so it does not repeat the input-gradient chain. A parameter
+reached from several frontier nodes (one weight used twice in a stage) is done in one call
+with the captured gradients pinned, so nothing is counted twice; that call does re-run the
+chain between the two uses. On a stage whose inputs need no gradient (stage 0), `I` is empty
+and `W` is the full backward (as in torch). The split walks the autograd graph once per
+(stage, micro-batch) and makes one autograd call per parameter group: a fixed Python cost
+that matters only for very small stages.
+
+Data parallel (pp x dp): give `engines={stage: make_engine(module, mesh, "dp", stage=k)}`
+(any ZeRO stage 0-3; the engines' collectives use the active mesh, `set_active_mesh`);
+every backward of a stage except its last one in the step runs in `engine.no_sync()`, the
+last one (`B`, or the last `W`) lets the engine's hooks launch their reductions, and
+`finish_backward()` runs once per stage after the schedule. fp16 dynamic loss scaling is not
+pipeline-aware (each stage engine would scale its own outputs); use bf16 or fp32 with pp.
+Tied parameters on different stages (embedding on the first, LM head on the last) are made
+equal at construction and get their gradients summed after backward: all-reduce over a group
+of the two ranks, or a local sum when one rank holds both stages. The sum acts on `.grad`
+after `finish_backward()`, so it is right without engines and with full-precision ZeRO stage
+0 (gradients on the parameters); with stages 1-3 or mixed precision the gradients live on
+the engines' masters and tied pairs are refused (ValueError).
+
+Reads and writes no `node.meta` keys. Counts every point-to-point transfer in
+`collectives.COUNTER` as ("send" | "recv", axis) with payload bytes, and the shape metadata
+as ("send_meta" | "recv_meta", axis).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .collectives import COUNTER
+from .schedules import Action, Kind, Schedule, simulate
+
+__all__ = ["PipelineExecutor", "split_microbatches", "backward_input", "backward_weight", "WeightGradState"]
+
+TiedPair = tuple[tuple[int, str], tuple[int, str]]
+
+# dtype codes for the shape metadata (append only: both ends must agree)
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def split_microbatches(batch: torch.Tensor | Sequence[torch.Tensor], n: int) -> list:
+    """Split a tensor (or a tuple of tensors) into `n` equal micro-batches along dim 0."""
+    items = (batch,) if torch.is_tensor(batch) else tuple(batch)
+    for t in items:
+        if t.shape[0] % n:
+            raise ValueError(f"batch dim {t.shape[0]} is not divisible by n_microbatches={n}; "
+                             "micro-batches must be equal for the pipeline step to equal a full-batch step")
+    chunks = [t.chunk(n, dim=0) for t in items]
+    out = [tuple(c[k] for c in chunks) for k in range(n)]
+    return [o[0] for o in out] if torch.is_tensor(batch) else out
+
+
+# ---------------------------------------------------------------------------- I / W split
+def _node(t: torch.Tensor):
+    return get_gradient_edge(t).node
+
+
+@dataclass
+class WeightGradState:
+    """What `W` needs after `I`: groups of (frontier nodes, parameters), the gradients
+    captured at the frontier, or (`full`) the outputs for a full backward."""
+
+    full: bool
+    outputs: list
+    grads: list
+    params: list
+    groups: list  # [(nodes, params)]
+    captured: dict
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]
+                   ) -> tuple[list[torch.Tensor | None], WeightGradState]:
+    """Input gradients of `outputs` (seeded with `grads`) w.r.t. `inputs`; no parameter
+    gradient is computed or accumulated. Returns them (None where not needed) and the state
+    for `backward_weight`."""
+    outputs, grads = list(outputs), list(grads)
+    params = [p for p in params if p.requires_grad]
+    in_req = [x for x in inputs if x.requires_grad]
+    full = WeightGradState(True, outputs, grads, params, [], {})
+    if not in_req or not outputs:
+        return [None] * len(inputs), full
+    roots = [_node(o) for o in outputs]
+    children: dict = {}
+    order: list = []  # post-order: children before parents
+    for root in roots:
+        if root in children:
+            continue
+        stack = [(root, False)]
+        while stack:
+            n, expanded = stack.pop()
+            if expanded:
+                order.append(n)
+                continue
+            if n in children:
+                continue
+            ch = [f for f, _ in n.next_functions if f is not None]
+            children[n] = ch
+            stack.append((n, True))
+            stack.extend((c, False) for c in ch if c not in children)
+    in_nodes = {_node(x) for x in in_req}
+    param_of = {_node(p): p for p in params}
+    to_in: dict = {}
+    to_par: dict = {}
+    for n in order:
+        to_in[n] = n in in_nodes or any(to_in[c] for c in children[n])
+        to_par[n] = n in param_of or any(to_par[c] for c in children[n])
+    if any(not to_in[r] and to_par[r] for r in roots):
+        # an output depends on parameters but not on the inputs: W does the full backward
+        grads_in = torch.autograd.grad(outputs, in_req, grads, retain_graph=True, allow_unused=True)
+        return _place(inputs, in_req, grads_in), full
+    frontier = [n for n in order if to_in[n] and any(not to_in[c] and to_par[c] for c in children[n])]
+    groups: list[tuple[list, set]] = []
+    for n in frontier:
+        reached, seen = set(), set()
+        stack = [c for c in children[n] if not to_in[c] and to_par[c]]
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if x in param_of:
+                reached.add(x)
+            stack.extend(c for c in children[x] if not to_in[c] and to_par[c])
+        merged = [g for g in groups if g[1] & reached]
+        nodes, ps = [n], set(reached)
+        for g in merged:
+            nodes = g[0] + nodes
+            ps |= g[1]
+            groups.remove(g)
+        groups.append((nodes, ps))
+    captured: dict = {}
+    hooks = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier]
+    try:
+        grads_in = torch.autograd.grad(outputs, in_req, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    # outputs stay referenced until W: a Python-defined autograd node does not keep its graph alive
+    state = WeightGradState(False, outputs, grads, params,
+                            [(nodes, [param_of[x] for x in ps]) for nodes, ps in groups], captured)
+    return _place(inputs, in_req, grads_in), state
+
+
+def _place(inputs, in_req, grads_in) -> list:
+    by_id = {id(x): g for x, g in zip(in_req, grads_in)}
+    return [by_id.get(id(x)) for x in inputs]
+
+
+def backward_weight(state: WeightGradState) -> None:
+    """Accumulate the parameter gradients left by `backward_input` into `.grad` (firing
+    post-accumulate hooks, so data-parallel bucket reduction sees them)."""
+    if state.full:
+        if state.outputs and state.params:
+            torch.autograd.backward(state.outputs, state.grads, inputs=state.params)
+        return
+    for nodes, params in state.groups:
+        edges, gs = [], []
+        for n in nodes:
+            for k, g in enumerate(state.captured.get(n, ())):
+                if g is not None:
+                    edges.append(GradientEdge(n, k))
+                    gs.append(g)
+        if not edges:
+            continue
+        pins = []
+        if len(nodes) > 1:  # a path between two of these nodes must not add to the captured value
+            pins = [n.register_prehook(lambda g, s=state.captured[n]: s) for n in nodes if n in state.captured]
+        try:
+            torch.autograd.backward(edges, gs, inputs=params, retain_graph=True)
+        finally:
+            for h in pins:
+                h.remove()
+
+
+# ---------------------------------------------------------------------------- executor
+def _as_tuple(x, what: str) -> tuple[torch.Tensor, ...]:
+    t = (x,) if torch.is_tensor(x) else tuple(x) if isinstance(x, (tuple, list)) else None
+    if t is None or not all(torch.is_tensor(v) for v in t):
+        raise ValueError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}; "
+                         "return only tensors from a pipeline stage")
+    return t
+
+
+class PipelineExecutor:
+    """Runs one pipeline step per `step()` call on this rank.
+
+    Args:
+        stages: this rank's stage modules: one module, a list in increasing stage order, or
+            {stage index: module}; they must be the stages `schedule.stage_to_rank` puts here.
+        schedule: the action lists (`runtime.schedules`).
+        mesh: the `runtime.mesh.Mesh`; the pp axis must have `schedule.n_ranks` ranks.
+        loss_fn: `loss_fn(last_stage_output, target) -> scalar`, a mean over the micro-batch.
+        axis: the pipeline axis name.
+        engines: {stage: engine} data-parallel engines (`runtime.zero.make_engine`) for the
+            stages on this rank, or None.
+        tied: pairs ((stage_a, param_name_a), (stage_b, param_name_b)) of parameters that are
+            one weight in the model (e.g. ((0, "tok_emb.weight"), (3, "lm_head.weight")));
+            construct the executor on every rank at the same point: it creates process groups.
+    """
+
+    def __init__(self, stages: nn.Module | Sequence[nn.Module] | Mapping[int, nn.Module], schedule: Schedule,
+                 mesh, loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, axis: str = "pp",
+                 engines: Mapping[int, Any] | None = None, tied: Sequence[TiedPair] = ()):
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineExecutor needs torch.distributed initialised (torchrun or autopar's launcher)")
+        self.schedule, self.mesh, self.axis, self.loss_fn = schedule, mesh, axis, loss_fn
+        if mesh.size(axis) != schedule.n_ranks:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but mesh axis {axis!r} has "
+                             f"{mesh.size(axis)}; build the schedule for n_ranks={mesh.size(axis)}")
+        self.global_rank = dist.get_rank()
+        self.pp_rank = mesh.coords(self.global_rank)[axis]
+        self.pp_ranks = mesh.axis_ranks(axis, self.global_rank)  # global rank of each pp index
+        self.group = mesh.group(axis)
+        self.device = mesh.device
+        mine = schedule.stages_of(self.pp_rank)
+        if isinstance(stages, nn.Module):
+            stages = [stages]
+        if isinstance(stages, Mapping):
+            self.modules = dict(stages)
+        else:
+            stages = list(stages)
+            if len(stages) != len(mine):
+                raise ValueError(f"pp rank {self.pp_rank} holds stages {mine} in schedule {schedule.name!r} "
+                                 f"but {len(stages)} modules were given; pass one module per stage")
+            self.modules = dict(zip(mine, stages))
+        if sorted(self.modules) != mine:
+            raise ValueError(f"pp rank {self.pp_rank} holds stages {mine} in schedule {schedule.name!r}, "
+                             f"but modules were given for stages {sorted(self.modules)}")
+        self.last_stage = schedule.n_stages - 1
+        if self.last_stage in self.modules and loss_fn is None:
+            raise ValueError("the rank holding the last stage needs a loss_fn(output, target)")
+        self.engines = dict(engines or {})
+        extra = sorted(set(self.engines) - set(self.modules))
+        if extra:
+            raise ValueError(f"engines given for stages {extra} that pp rank {self.pp_rank} does not hold ({mine})")
+        sim = simulate(schedule, f=1, b=1, i=1, w=1)
+        sim.raise_if_deadlocked()
+        self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.modules.items()}
+        # the last backward that accumulates into each stage's weights (grad sync runs there)
+        self._last_grad_action: dict[int, int] = {}
+        for k, a in enumerate(schedule.actions[self.pp_rank]):
+            if a.kind in (Kind.B, Kind.W):
+                self._last_grad_action[a.stage] = k
+        self._recv_plan = self._build_recv_plan()
+        if tied and any(getattr(e, "stage", 0) != 0 or getattr(e, "mixed", False) for e in self.engines.values()):
+            raise ValueError("tied parameters are summed on .grad, which ZeRO stages 1-3 and mixed-precision "
+                             "engines do not keep (their gradients live on fp32 masters); use full-precision "
+                             "ZeRO stage 0 engines on the pipeline stages, or untie the weights")
+        self._tied = self._setup_tied(list(tied))
+
+    # --- set-up ---------------------------------------------------------------------------
+    def _rank_of(self, stage: int) -> int:
+        return self.schedule.stage_to_rank[stage]
+
+    def _build_recv_plan(self) -> dict[int, list[tuple[str, int, int]]]:
+        """For each peer, the messages it sends to this rank, in its sending order."""
+        plan: dict[int, list[tuple[str, int, int]]] = {}
+        for q, acts in enumerate(self.schedule.actions):
+            if q == self.pp_rank:
+                continue
+            seq = []
+            for a in acts:
+                if a.kind is Kind.F and a.stage < self.last_stage and self._rank_of(a.stage + 1) == self.pp_rank:
+                    seq.append(("F", a.stage, a.mb))
+                elif a.kind in (Kind.B, Kind.I) and a.stage > 0 and self._rank_of(a.stage - 1) == self.pp_rank:
+                    seq.append(("B", a.stage, a.mb))
+            if seq:
+                plan[q] = seq
+        return plan
+
+    def _setup_tied(self, tied: list) -> list:
+        out = []
+        S = self.schedule.n_stages
+        world = dist.get_world_size()
+        pp_groups = sorted({tuple(self.mesh.axis_ranks(self.axis, r)) for r in range(world)})
+        for pair in tied:
+            try:
+                (sa, na), (sb, nb) = pair
+            except (TypeError, ValueError):
+                raise ValueError(f"tied entry {pair!r} must be "
+                                 "((stage_a, param_name_a), (stage_b, param_name_b))") from None
+            if not (0 <= sa < S and 0 <= sb < S) or sa == sb:
+                raise ValueError(f"tied pair {pair!r} must name two different stages in 0..{S - 1}")
+            ra, rb = self._rank_of(sa), self._rank_of(sb)
+            group = None
+            if ra != rb:
+                for g in pp_groups:  # every rank creates every pair group, in the same order
+                    pg = dist.new_group(sorted({g[ra], g[rb]}))
+                    if self.global_rank in (g[ra], g[rb]):
+                        group = pg
+            pa = self._param(sa, na) if sa in self.modules else None
+            pb = self._param(sb, nb) if sb in self.modules else None
+            for p, s, n in ((pa, sa, na), (pb, sb, nb)):
+                if p is not None and p.requires_grad is False:
+                    raise ValueError(f"tied parameter {n!r} of stage {s} does not require grad")
+            if pa is not None and pb is not None and pa.shape != pb.shape:
+                raise ValueError(f"tied parameters {na!r} (stage {sa}) and {nb!r} (stage {sb}) have shapes "
+                                 f"{tuple(pa.shape)} and {tuple(pb.shape)}")
+            with torch.no_grad():  # start equal: stage a's value wins
+                if pa is not None and pb is not None:
+                    pb.copy_(pa)
+                elif group is not None:
+                    p = pa if pa is not None else pb
+                    dist.broadcast(p.data, src=self.pp_ranks[ra], group=group)
+                    COUNTER.record("broadcast", self.axis, p.numel() * p.element_size())
+            out.append((pa, pb, group))
+        return out
+
+    def _param(self, stage: int, name: str) -> nn.Parameter:
+        params = dict(self.modules[stage].named_parameters())
+        if name not in params:
+            raise ValueError(f"stage {stage} has no parameter {name!r}; it has {sorted(params)[:12]}")
+        return params[name]
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self, microbatches: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> torch.Tensor:
+        """Run the schedule once: forward and backward of every micro-batch.
+
+        Args:
+            microbatches: n_microbatches inputs of stage 0 (each a tensor or a tuple of tensors);
+                needed on the rank that holds stage 0, ignored elsewhere.
+            targets: n_microbatches targets for `loss_fn`; needed on the rank holding the last stage.
+
+        Returns:
+            The mean loss over the micro-batches, on every pp rank. Gradients are accumulated
+            into `.grad` (zero them between steps as usual).
+        """
+        M = self.schedule.n_microbatches
+        if 0 in self.modules and (microbatches is None or len(microbatches) != M):
+            raise ValueError(f"pp rank {self.pp_rank} holds stage 0 and needs {M} micro-batches, got "
+                             f"{None if microbatches is None else len(microbatches)}; see split_microbatches")
+        if self.last_stage in self.modules and (targets is None or len(targets) != M):
+            raise ValueError(f"pp rank {self.pp_rank} holds the last stage and needs {M} targets, got "
+                             f"{None if targets is None else len(targets)}")
+        self._mbs, self._targets = microbatches, targets
+        self._in: dict = {}  # (stage, mb) -> input tensors
+        self._out: dict = {}  # (stage, mb) -> outputs to differentiate
+        self._gout: dict = {}  # (stage, mb) -> gradients of those outputs (None: scalar loss)
+        self._wstate: dict = {}  # (stage, mb) -> WeightGradState
+        self._handoff: dict = {}  # local (dir, stage, mb) -> tensors
+        self._posted: dict = {}  # (dir, stage, mb) -> (tensors, works)
+        self._recv_next = {q: 0 for q in self._recv_plan}
+        self._meta_in: dict = {}  # (dir, sender stage) -> [(dtype, shape, requires_grad)]
+        self._meta_out: dict = {}
+        self._sends: list = []
+        self._losses: list = [None] * M
+        acts = self.schedule.actions[self.pp_rank]
+        for k, a in enumerate(acts):
+            self._post(self._needs(a), block=True)
+            if k + 1 < len(acts):
+                self._post(self._needs(acts[k + 1]), block=False)
+            eng = self.engines.get(a.stage)
+            sync_here = a.kind in (Kind.B, Kind.W) and self._last_grad_action.get(a.stage) == k
+            ctx = eng.no_sync() if eng is not None and not sync_here else contextlib.nullcontext()
+            with ctx:
+                if a.kind is Kind.F:
+                    self._forward(a)
+                elif a.kind is Kind.B:
+                    self._backward(a, full=True)
+                elif a.kind is Kind.I:
+                    self._backward(a, full=False)
+                else:
+                    backward_weight(self._wstate.pop((a.stage, a.mb)))
+                    self._drop(a.stage, a.mb)
+            if len(self._sends) > 64:
+                self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        for w, _ in self._sends:
+            w.wait()
+        self._sends = []
+        for s in sorted(self.engines):
+            self.engines[s].finish_backward()
+        self._reduce_tied()
+        return self._mean_loss()
+
+    # --- actions -----------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        s, m = a.stage, a.mb
+        if s == 0:
+            inputs = _as_tuple(self._mbs[m], f"micro-batch {m}")
+        else:
+            inputs = self._take(("F", s - 1, m))
+        out = self.modules[s](*inputs)
+        if s == self.last_stage:
+            loss = self.loss_fn(out, self._targets[m])
+            if not (torch.is_tensor(loss) and loss.numel() == 1):
+                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                                 f"{tuple(getattr(loss, 'shape', ()))}")
+            self._losses[m] = loss.detach().reshape(())
+            self._out[(s, m)] = [loss.reshape(())]
+            self._gout[(s, m)] = [torch.full((), 1.0 / self.schedule.n_microbatches, dtype=loss.dtype,
+                                             device=loss.device)]
+        else:
+            outs = _as_tuple(out, f"the output of stage {s}")
+            self._out[(s, m)] = list(outs)
+            self._give(("F", s, m), [o.detach() for o in outs], [o.requires_grad for o in outs],
+                       self._rank_of(s + 1))
+        self._in[(s, m)] = inputs
+
+    def _backward(self, a: Action, full: bool) -> None:
+        s, m = a.stage, a.mb
+        outs_all = self._out[(s, m)]
+        if s == self.last_stage:
+            outs, grads = outs_all, self._gout[(s, m)]
+        else:
+            gs = self._take(("B", s + 1, m))
+            outs = [o for o in outs_all if o.requires_grad]
+            if len(gs) != len(outs):
+                raise RuntimeError(f"stage {s} micro-batch {m}: got {len(gs)} output gradients for "
+                                   f"{len(outs)} outputs that require grad")
+            grads = list(gs)
+        inputs = self._in[(s, m)] if s > 0 else ()
+        keep = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        outs, grads = [o for o, _ in keep], [g for _, g in keep]
+        if full:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            in_grads = [x.grad if x.requires_grad else None for x in inputs]
+            self._drop(s, m)
+        else:
+            in_grads, self._wstate[(s, m)] = backward_input(outs, grads, inputs, self._params[s])
+        if s > 0:
+            req = [x for x in inputs if x.requires_grad]
+            gsend = [g if g is not None else torch.zeros_like(x)
+                     for x, g in zip(inputs, in_grads) if x.requires_grad]
+            assert len(gsend) == len(req)
+            self._give(("B", s, m), [g.detach() for g in gsend], [False] * len(gsend), self._rank_of(s - 1))
+
+    def _drop(self, s: int, m: int) -> None:
+        self._in.pop((s, m), None)
+        self._out.pop((s, m), None)
+        self._gout.pop((s, m), None)
+
+    # --- transport ----------------------------------------------------------------------------
+    def _give(self, key, tensors: list[torch.Tensor], req: list[bool], dst_pp: int) -> None:
+        """Hand `tensors` (message `key`) to the stage on pp rank `dst_pp`."""
+        if dst_pp == self.pp_rank:
+            self._handoff[key] = [t.requires_grad_(r) if t.is_floating_point() or t.is_complex() else t
+                                  for t, r in zip(tensors, req)]
+            return
+        chan = key[:2]
+        sig = [(t.dtype, tuple(t.shape), bool(r)) for t, r in zip(tensors, req)]
+        dst = self.pp_ranks[dst_pp]
+        if chan not in self._meta_out:
+            self._meta_out[chan] = sig
+            meta = [len(sig)]
+            for dt, shape, r in sig:
+                if dt not in _DTYPE_CODE:
+                    raise ValueError(f"stage {key[1]} sends a {dt} tensor; the pipeline sends {_DTYPES}")
+                meta += [_DTYPE_CODE[dt], int(r), len(shape), *shape]
+            body = torch.tensor(meta, dtype=torch.int64, device=self.device)
+            head = torch.tensor([body.numel()], dtype=torch.int64, device=self.device)
+            for t in (head, body):
+                self._sends.append((dist.isend(t, dst=dst, group=self.group), t))
+                COUNTER.record("send_meta", self.axis, t.numel() * t.element_size())
+        elif self._meta_out[chan] != sig:
+            what = "outputs" if key[0] == "F" else "input gradients"
+            raise ValueError(f"micro-batch {key[2]}: stage {key[1]}'s {what} are {sig} but micro-batch 0's were "
+                             f"{self._meta_out[chan]}; all micro-batches of a step must have equal shapes "
+                             "(split the batch evenly, see split_microbatches)")
+        for t in tensors:
+            t = t.contiguous()
+            self._sends.append((dist.isend(t, dst=dst, group=self.group), t))
+            COUNTER.record("send", self.axis, t.numel() * t.element_size())
+
+    def _needs(self, a: Action):
+        """The message `a` consumes, if any: (dir, sender stage, mb)."""
+        if a.kind is Kind.F and a.stage > 0:
+            return ("F", a.stage - 1, a.mb)
+        if a.kind in (Kind.B, Kind.I) and a.stage < self.last_stage:
+            return ("B", a.stage + 1, a.mb)
+        return None
+
+    def _post(self, key, block: bool) -> None:
+        """Post the receive of message `key` and of every message its sender sends to this
+        rank before it (receives must be posted in the sender's order). Without `block`, stop
+        at a channel whose shape metadata has not arrived yet instead of waiting for it."""
+        if key is None or key in self._posted or key in self._handoff:
+            return
+        q = self._rank_of(key[1])
+        if q == self.pp_rank:
+            return
+        plan = self._recv_plan[q]
+        while key not in self._posted:
+            nxt = plan[self._recv_next[q]]
+            chan = nxt[:2]
+            if chan not in self._meta_in:
+                if not block:
+                    return
+                self._meta_in[chan] = self._recv_meta(q)
+            bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape, _ in self._meta_in[chan]]
+            works = []
+            for t in bufs:
+                works.append(dist.irecv(t, src=self.pp_ranks[q], group=self.group))
+                COUNTER.record("recv", self.axis, t.numel() * t.element_size())
+            self._posted[nxt] = (bufs, works)
+            self._recv_next[q] += 1
+
+    def _recv_meta(self, q: int) -> list:
+        src = self.pp_ranks[q]
+        head = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(head, src=src, group=self.group)
+        body = torch.empty(int(head.item()), dtype=torch.int64, device=self.device)
+        dist.recv(body, src=src, group=self.group)
+        COUNTER.record("recv_meta", self.axis, 8 + body.numel() * 8)
+        v = body.tolist()
+        n, k, out = v[0], 1, []
+        for _ in range(n):
+            code, req, nd = v[k], v[k + 1], v[k + 2]
+            out.append((_DTYPES[code], tuple(v[k + 3:k + 3 + nd]), bool(req)))
+            k += 3 + nd
+        return out
+
+    def _take(self, key) -> list[torch.Tensor]:
+        if key in self._handoff:
+            return self._handoff.pop(key)
+        self._post(key, block=True)
+        bufs, works = self._posted.pop(key)
+        for w in works:
+            w.wait()
+        chan = key[:2]
+        return [t.requires_grad_(r) if (t.is_floating_point() or t.is_complex()) else t
+                for t, (_, _, r) in zip(bufs, self._meta_in[chan])]
+
+    # --- after the actions -------------------------------------------------------------------
+    def _reduce_tied(self) -> None:
+        for pa, pb, group in self._tied:
+            if pa is not None and pb is not None:
+                ga = pa.grad if pa.grad is not None else torch.zeros_like(pa)
+                gb = pb.grad if pb.grad is not None else torch.zeros_like(pb)
+                tot = ga + gb
+                pa.grad, pb.grad = tot, tot.clone()
+            elif group is not None:
+                p = pa if pa is not None else pb
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+                COUNTER.record("all_reduce", self.axis, p.grad.numel() * p.grad.element_size())
+
+    def _mean_loss(self) -> torch.Tensor:
+        if self.last_stage in self.modules:
+            loss = torch.stack(self._losses).float().mean()
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.schedule.n_ranks > 1:
+            dist.broadcast(loss, src=self.pp_ranks[self._rank_of(self.last_stage)], group=self.group)
+            COUNTER.record("broadcast", self.axis, loss.numel() * loss.element_size())
+        return loss
