@@ -1,0 +1,27 @@
+"""autopar's cost model: what a captured graph costs to train, per rank, on given hardware.
+
+  analyze(gm, hardware)            per-node FLOPs (FlopCounterMode convention), bytes, saved
+                                   tensors, symbolic in b/s          (graph.py, ops.py, saved.py)
+  estimate(gm, plan, hardware)     step time, overlap, memory per rank, per layer (estimate.py)
+  model_states / liveness          parameter, gradient, optimizer bytes; activation peak (memory.py)
+  bytes_sent / collective_time     collectives per algorithm and mesh axis          (comm.py)
+  load_profile(name_or_path)       hardware profiles (profiles/*.json)          (hardware.py)
+
+It reads `node.meta["val"]` and `node.meta["nn_module_stack"]` and writes no node.meta key.
+"""
+from .comm import COLLECTIVES, axis_links, bytes_sent, collective_time, total_bytes_sent
+from .estimate import CommReport, Estimate, LayerReport, estimate
+from .graph import GraphCost, NodeCost, ParamInfo, analyze
+from .hardware import Hardware, Link, load_profile, profile_names
+from .memory import OptimizerSpec, StateBytes, liveness, model_states, params_of
+from .ops import RULES as OP_RULES, OpCost, register as register_op
+from .saved import SAVED as SAVED_RULES, New, register as register_saved
+from .symbolic import B, S, SymbolMap, evaluate
+
+__all__ = [
+    "B", "COLLECTIVES", "CommReport", "Estimate", "GraphCost", "Hardware", "LayerReport", "Link", "New",
+    "NodeCost", "OP_RULES", "OpCost", "OptimizerSpec", "ParamInfo", "S", "SAVED_RULES", "StateBytes",
+    "SymbolMap", "analyze", "axis_links", "bytes_sent", "collective_time", "estimate", "evaluate",
+    "liveness", "load_profile", "model_states", "params_of", "profile_names", "register_op",
+    "register_saved", "total_bytes_sent",
+]  # fmt: skip

@@ -1,0 +1,562 @@
+"""`estimate(gm, plan, hardware) -> Estimate`: predicted step time and memory per rank.
+
+The captured graph is what one rank runs on one micro-batch: with data parallelism every dp
+rank runs it on its own slice of the batch (pass `sizes={"b": global_batch // dp}` to cost a
+global batch, or `global_batch=`, when the batch dimension was captured dynamic).
+
+Time of a node (roofline): max(matmul FLOPs / (peak[dtype] * eff.matmul) + other FLOPs /
+(vector peak * eff.vector), bytes / (memory bandwidth * eff.memory)) + kernel overhead;
+attention uses eff.attention and counts half the score matrix when causal. Backward: the
+node's backward FLOPs, twice its other FLOPs, and bytes = output gradients + input gradients
++ saved tensors. Collective nodes in the graph (`autopar.all_reduce` ...) block the stream.
+
+Data parallelism (Plan.mesh[dp_axis] = n), as `runtime.zero` runs it:
+  ZeRO 0   gradients in buckets of `bucket_mb` (reverse parameter order, split at dtype
+           changes), each all-reduced when its last gradient is ready, in bucket order, on a
+           communication stream that overlaps the rest of backward;
+  ZeRO 1/2 the same buckets reduce-scattered; after the optimizer step the updated
+           parameters all-gathered (exposed);
+  ZeRO 3   per layer: parameters all-gathered before forward (prefetched one layer ahead)
+           and again before backward, gradients reduce-scattered after the layer's backward.
+Exposed communication = what is left after the overlap; step = forward + backward + exposed
+communication + optimizer step (memory bound).
+
+Memory per rank: model states (`memory.model_states`), plus the activation peak from the
+liveness walk (`memory.liveness`), plus transient buffers: ZeRO 0 keeps a flat copy of every
+gradient bucket until the step (what `runtime.zero.GradReducer` does), ZeRO 3 holds two
+layers of gathered parameters (current + prefetch). The optimizer step adds one temporary
+per parameter element for Adam's foreach denominator.
+
+Tensor-parallel plug-in: `Plan.node_layouts` maps a node key ("<module path>:<op>#<k>") to its
+output layout; a node's compute is divided by the sizes of the axes where its output is
+Shard or Partial, its new storages by those where it is Shard (the dp axis is ignored: graph
+shapes are already per dp rank).
+
+It reads nothing from `node.meta` beyond what `analyze` reads. Guarantees: deterministic
+output (no ids, no timestamps); `to_json()` round-trips through `json.loads`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+
+from autopar.passes.plan import Plan
+from autopar.runtime.placement import Partial, Shard
+
+from . import comm as C
+from .graph import GraphCost, NodeCost, analyze
+from .hardware import Hardware, load_profile
+from .memory import OptimizerSpec, StateBytes, liveness, local_numel, model_states
+from .symbolic import evaluate
+
+
+@dataclass
+class LayerReport:
+    name: str
+    nodes: int
+    fwd_flops: float
+    bwd_flops: float
+    fwd_s: float
+    bwd_s: float
+    comm_s: float  # collectives issued for this layer (ZeRO-3 gathers, graph collectives)
+    saved_bytes: float
+    param_bytes: float  # this rank's parameter bytes of the layer
+
+
+@dataclass
+class CommReport:
+    op: str
+    axis: str
+    phase: str  # forward | backward | step
+    calls: int
+    payload_bytes: float  # summed payloads, as runtime.collectives.COUNTER counts them
+    bytes_sent: float  # bytes this rank puts on the wire (ring formulas in comm.py)
+    time_s: float
+    exposed_s: float
+
+
+@dataclass
+class Estimate:
+    hardware: str
+    mesh: dict[str, int]
+    zero_stage: int
+    sizes: dict[str, int]
+    world_size: int
+    step_s: float  # fwd_s + bwd_s + optimizer_s + exposed communication after the step (ZeRO 1/2 gather)
+    fwd_s: float  # all micro-batches' forward, including communication it waits for
+    bwd_s: float  # all micro-batches' backward, including communication it waits for
+    optimizer_s: float
+    comm_s: float  # every collective's time
+    comm_exposed_s: float  # the part not hidden behind compute
+    comm_overlapped_s: float
+    fwd_flops: float  # per rank, FlopCounterMode convention
+    bwd_flops: float
+    mfu: float
+    memory: dict[str, float]
+    bytes_per_axis: dict[str, dict[str, float]]
+    comm: list[CommReport]
+    layers: list[LayerReport]
+    unknown_ops: dict[str, int]
+    unknown_saved: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+    ranks: str = "every rank alike (data parallel); figures are rank 0's, the largest ZeRO chunk"
+    analysis_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("analysis_s")
+        return d
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=float)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["peak"] <= self.memory["capacity"]
+
+    def summary(self) -> dict[str, Any]:
+        """The headline figures (for Plan.predicted): times in s, memory in bytes, per rank."""
+        return {"hardware": self.hardware, "sizes": dict(self.sizes), "step_s": self.step_s, "fwd_s": self.fwd_s,
+                "bwd_s": self.bwd_s, "optimizer_s": self.optimizer_s, "comm_s": self.comm_s,
+                "comm_exposed_s": self.comm_exposed_s, "mfu": self.mfu, "peak_bytes": self.memory["peak"],
+                "capacity_bytes": self.memory["capacity"], "fits": self.fits,
+                "bytes_sent_per_axis": {a: b["sent"] for a, b in self.bytes_per_axis.items()}}
+
+    # --- printing ----------------------------------------------------------------------
+    def table(self):
+        """A rich renderable: summary, memory and the per-layer table (identical consecutive
+        layers folded into one row)."""
+        from rich.console import Group
+        from rich.table import Table
+
+        summary = Table(title=f"autopar estimate: {self.hardware}, mesh {self.mesh}, ZeRO-{self.zero_stage}, "
+                              f"sizes {self.sizes}", show_header=False)
+        summary.add_column("what")
+        summary.add_column("value", justify="right")
+        for k, v in [("step", _ms(self.step_s)), ("forward", _ms(self.fwd_s)), ("backward", _ms(self.bwd_s)),
+                     ("optimizer", _ms(self.optimizer_s)), ("communication", _ms(self.comm_s)),
+                     ("  exposed", _ms(self.comm_exposed_s)), ("  overlapped", _ms(self.comm_overlapped_s)),
+                     ("FLOPs fwd+bwd / rank", f"{self.fwd_flops + self.bwd_flops:.3e}"), ("MFU", f"{self.mfu:.1%}")]:
+            summary.add_row(k, v)
+        for k in ("params", "grads", "master", "optimizer", "buffers", "activations", "transient", "peak",
+                  "capacity"):
+            summary.add_row(f"memory {k}", _gb(self.memory[k]))
+        for axis, b in self.bytes_per_axis.items():
+            summary.add_row(f"bytes sent on {axis}", _gb(b["sent"]))
+        if self.unknown_ops:
+            summary.add_row("ops costed by fallback", ", ".join(f"{k} x{v}" for k, v in self.unknown_ops.items()))
+        layers = Table(title="per layer, one rank: time in ms, forward GFLOP, MiB")
+        for col in ("layer", "fwd", "bwd", "comm", "GFLOP", "saved", "params"):
+            layers.add_column(col, justify="left" if col == "layer" else "right", no_wrap=True)
+        for name, rep, n in _fold(self.layers):
+            if not (rep.fwd_s or rep.bwd_s or rep.comm_s or rep.saved_bytes or rep.param_bytes):
+                continue  # nothing to show (e.g. index arithmetic at the root); still in to_json()
+            layers.add_row(name if n == 1 else f"{name} (x{n})", f"{rep.fwd_s * 1e3:.3f}", f"{rep.bwd_s * 1e3:.3f}",
+                           f"{rep.comm_s * 1e3:.3f}", f"{rep.fwd_flops / 1e9:.2f}", f"{rep.saved_bytes / 2**20:.1f}",
+                           f"{rep.param_bytes / 2**20:.1f}")
+        return Group(summary, layers)
+
+    def __rich__(self):
+        return self.table()
+
+    def print(self, console=None) -> None:
+        from rich.console import Console
+
+        (console or Console()).print(self.table())
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def _gb(b: float) -> str:
+    return f"{b / 2**30:.3f} GiB" if b >= 2**27 else f"{b / 2**20:.3f} MiB"
+
+
+def _fold(layers: list[LayerReport]):
+    """Consecutive layers with equal figures as one row: ('layers.0..79', rep, 80)."""
+    out = []
+    for rep in layers:
+        sig = (round(rep.fwd_s, 12), round(rep.bwd_s, 12), rep.fwd_flops, rep.saved_bytes, rep.param_bytes, rep.nodes)
+        if out and out[-1][3] == sig and rep.name.split(".")[:-1] == out[-1][1].name.split(".")[:-1]:
+            out[-1][2] += 1
+            out[-1][4] = rep.name
+        else:
+            out.append([rep.name, rep, 1, sig, rep.name])
+    return [(f"{first}..{last.split('.')[-1]}" if n > 1 else first, rep, n) for first, rep, n, _sig, last in out]
+
+
+# ------------------------------------------------------------------------ times
+class _Timer:
+    def __init__(self, hw: Hardware, values):
+        self.hw, self.values = hw, values
+        self.cache: dict[Any, tuple[float, float]] = {}
+
+    def ev(self, x) -> float:
+        return evaluate(x, self.values)
+
+    def node(self, n: NodeCost, div: int = 1) -> tuple[float, float]:
+        """(forward, backward) seconds of one node's compute on one rank."""
+        c = n.cost
+        if c.kind in ("none", "view", "comm"):
+            return 0.0, 0.0
+        key = (id(c), n.bwd_flops, n.has_grad_fn, tuple(nb for _k, nb, _t in n.saved), div)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = (self._t(c, self.ev(c.flops), self.ev(c.other_flops), self.ev(c.bytes_read + c.bytes_written), div),
+                   self._t(c, self.ev(n.bwd_flops), 2 * self.ev(c.other_flops), self._bwd_bytes(n), div)
+                   if n.has_grad_fn else 0.0)
+            self.cache[key] = hit
+        return hit
+
+    def _bwd_bytes(self, n: NodeCost) -> float:
+        b = sum(self.ev(t.nbytes) for t in n.outputs) + sum(self.ev(t.nbytes) for t in n.grad_inputs)
+        return b + sum(self.ev(nb) for _k, nb, _t in n.saved)
+
+    def _t(self, c, flops: float, other: float, nbytes: float, div: int) -> float:
+        hw = self.hw
+        flops, other, nbytes = flops / div, other / div, nbytes / div
+        t_c = 0.0
+        if c.kind == "matmul":
+            t_c = flops / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops or c.dtype == "fp32" else "fp32")
+                           * hw.eff("matmul"))
+        elif c.kind == "attention":
+            t_c = flops * c.causal_fraction / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops else "fp32")
+                                               * hw.eff("attention"))
+        t_v = other / (hw.device.vector_flops * hw.eff("vector"))
+        t_m = nbytes / (hw.device.memory_bandwidth * hw.eff("memory"))
+        return max(t_c + t_v, t_m) + hw.kernel_overhead_s
+
+
+# ------------------------------------------------------------------------ layouts (TP plug-in)
+def _divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], dict[Any, int]]:
+    """node index -> compute divisor; storage key -> memory divisor, from Plan.node_layouts."""
+    if plan is None or not plan.node_layouts:
+        return {}, {}
+    comp, mem = {}, {}
+    for n in gc.nodes:
+        lay = plan.node_layouts.get(n.key)
+        if lay is None:
+            continue
+        cd = md = 1
+        for axis, p in lay.axes:
+            if axis == plan.dp_axis or axis not in plan.mesh:
+                continue
+            if isinstance(p, (Shard, Partial)):
+                cd *= plan.mesh[axis]
+            if isinstance(p, Shard):
+                md *= plan.mesh[axis]
+        comp[n.index] = cd
+        for k in n.new_storages:
+            mem[k] = md
+    return comp, mem
+
+
+# ------------------------------------------------------------------------ the estimate
+def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,
+             sizes: Mapping[str, int] | None = None, global_batch: int | None = None,
+             optimizer: Any = "adamw", master_dtype: torch.dtype | str | None = "auto",
+             grad_dtype: torch.dtype | None = None, algorithm: str = "auto",
+             kernels: Mapping[str, Any] | None = None) -> Estimate:
+    """Predict step time and memory per rank of training `gm` under `plan` on `hardware`.
+
+    Args:
+        gm: the captured graph (or a GraphCost from `analyze`, to re-cost without re-analysing).
+        plan: the Plan (mesh, dp axis, ZeRO stage, bucket size, layouts, micro-batches);
+            None: one device.
+        hardware: a Hardware or a profile name / path ("h100-64", "cpu-gloo" ...).
+        sizes: values of the size symbols ({"b": 4, "s": 8192}); default the captured sizes.
+        global_batch: sets b = global_batch / (dp * n_microbatches) (needs a dynamic batch dim).
+        optimizer: "adamw", "adam", "sgd", "sgd_momentum", or a torch.optim class/instance.
+        master_dtype: fp32 master weights; "auto": torch.float32 when parameters are 16-bit.
+        grad_dtype: gradient dtype (default: the parameter's).
+        algorithm: collective algorithm: "ring", "tree", or "auto" (the faster one per call, as
+            NCCL's tuner picks; bytes_sent follows the choice).
+        kernels: overrides for the profile's kernel choices (e.g. {"sdpa": "math"}).
+    """
+    t0 = time.perf_counter()
+    hw = load_profile(hardware)
+    gc = gm if isinstance(gm, GraphCost) else analyze(gm, hw, kernels=kernels)
+    plan = plan or Plan(mesh={"dp": 1})
+    mesh = dict(plan.mesh)
+    notes: list[str] = []
+    world = math.prod(mesh.values())
+    if world > hw.world_size:  # more ranks than the profile has: more nodes of the same kind
+        nodes = -(-world // hw.gpus_per_node)
+        notes.append(f"the mesh has {world} ranks, {hw.name} {hw.world_size}: costed on {nodes} nodes "
+                     f"of {hw.gpus_per_node}")
+        hw = hw.with_nodes(nodes)
+    links = C.axis_links(hw, mesh)
+    dp_axis = plan.dp_axis if plan.dp_axis in mesh else None
+    dp = mesh.get(dp_axis, 1) if dp_axis else 1
+    sizes = dict(sizes or {})
+    if global_batch is not None:
+        per = dp * plan.n_microbatches
+        if global_batch % per:
+            raise ValueError(f"global_batch={global_batch} does not divide by dp * n_microbatches = {per}; "
+                             "pick a multiple")
+        sizes["b"] = global_batch // per
+    values = gc.values(sizes)
+    ev = lambda x: evaluate(x, values)  # noqa: E731
+    timer = _Timer(hw, values)
+    comp_div, mem_div = _divisors(gc, plan)
+
+    # --- compute per node, per layer ------------------------------------------------------
+    fwd_t = [0.0] * len(gc.nodes)
+    bwd_t = [0.0] * len(gc.nodes)
+    graph_comm: list[tuple[int, str, str, float, bool]] = []  # (node, op, axis, payload, backward)
+    for n in gc.nodes:
+        f, b = timer.node(n, comp_div.get(n.index, 1))
+        fwd_t[n.index], bwd_t[n.index] = f, b
+        for cm in n.cost.comm:
+            graph_comm.append((n.index, cm.op, cm.axis, ev(cm.nbytes), cm.backward))
+    comm_reports: dict[tuple[str, str, str], CommReport] = {}
+
+    def add_comm(op, axis, phase, payload, t, exposed):
+        r = comm_reports.setdefault((op, axis, phase), CommReport(op, axis, phase, 0, 0.0, 0.0, 0.0, 0.0))
+        r.calls += 1
+        r.payload_bytes += payload
+        al = links.get(axis)
+        r.bytes_sent += al.bytes_sent(op, payload, algorithm) if al else 0.0
+        r.time_s += t
+        r.exposed_s += exposed
+
+    layer_comm: dict[str, float] = {}
+    graph_comm_total = 0.0
+    for idx, op, axis, payload, backward in graph_comm:
+        al = links.get(axis)
+        if al is None:
+            notes.append(f"collective {op} on axis {axis!r} which the mesh {mesh} lacks: not costed")
+            continue
+        t = al.time(op, payload, algorithm)
+        (bwd_t if backward else fwd_t)[idx] += t  # blocking: on the critical path
+        graph_comm_total += t
+        add_comm(op, axis, "backward" if backward else "forward", payload, t, t)
+        lay = gc.nodes[idx].layer
+        layer_comm[lay] = layer_comm.get(lay, 0.0) + t
+    fwd_compute, bwd_compute = sum(fwd_t), sum(bwd_t)
+
+    # --- model states ------------------------------------------------------------------
+    param_dtypes = {p.dtype for p in gc.params if p.requires_grad}
+    if master_dtype == "auto":
+        master_dtype = torch.float32 if param_dtypes & {torch.float16, torch.bfloat16} else None
+    opt = OptimizerSpec.of(optimizer)
+    states: StateBytes = model_states(gc.params, opt, zero_stage=plan.zero_stage if dp > 1 else 0, dp=dp, rank=0,
+                                      master_dtype=master_dtype, grad_dtype=grad_dtype,
+                                      param_layouts=plan.param_layouts, mesh=mesh, dp_axis=dp_axis)
+    zero = plan.zero_stage if dp > 1 else 0
+
+    # --- data-parallel communication and its overlap ----------------------------------------
+    trainable = [p for p in gc.params if p.requires_grad]
+    grad_item = {p.name: (grad_dtype or p.dtype).itemsize for p in trainable}
+    local = {p.name: local_numel(p, plan.param_layouts, mesh, dp_axis) for p in trainable}  # after TP, before ZeRO
+    # backward timeline: end time of each node's backward, walking in reverse
+    bwd_end = [0.0] * (len(gc.nodes) + 1)
+    t = 0.0
+    for n in reversed(gc.nodes):
+        t += bwd_t[n.index]
+        bwd_end[n.index] = t
+    bwd_total = t
+    comm_total = comm_exposed = 0.0
+    fwd_exposed = bwd_exposed = step_exposed = 0.0
+    transient = 0.0
+    if dp > 1 and trainable:
+        al = links[dp_axis]
+        if zero < 3:
+            buckets = _buckets(trainable, plan.bucket_mb, grad_item, local)
+            op = "all_reduce" if zero == 0 else "reduce_scatter"
+            free = 0.0
+            for members, payload in buckets:
+                ready = max(bwd_end[min(p.first_use, len(gc.nodes) - 1)] if p.first_use < len(gc.nodes)
+                            else bwd_total for p in members)
+                d = al.time(op, payload, algorithm)
+                start = max(ready, free)
+                free = start + d
+                comm_total += d
+                add_comm(op, dp_axis, "backward", payload, d, 0.0)
+            bwd_exposed = max(0.0, free - bwd_total)
+            if comm_reports.get((op, dp_axis, "backward")):
+                comm_reports[(op, dp_axis, "backward")].exposed_s = bwd_exposed
+            if zero == 0:
+                transient = sum(pl for _m, pl in buckets)  # flat bucket copies live until the step
+            else:
+                transient = max((pl for _m, pl in buckets), default=0.0)
+                for members, payload in _buckets(trainable, plan.bucket_mb, {p.name: p.dtype.itemsize
+                                                                            for p in trainable}, local):
+                    d = al.time("all_gather", payload / dp, algorithm)
+                    comm_total += d
+                    step_exposed += d
+                    add_comm("all_gather", dp_axis, "step", payload / dp, d, d)
+        else:
+            fwd_exposed, bwd_exposed, ct, transient = _zero3(gc, trainable, fwd_t, bwd_t, al, algorithm, dp,
+                                                               grad_item, local, add_comm, layer_comm)
+            comm_total += ct
+    comm_total += graph_comm_total
+    comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total
+
+    # --- optimizer step (memory bound: read and write every state, read params and grads) ---
+    opt_bytes = 2 * (states.master + states.optimizer) + states.params / (dp if zero == 3 else 1) + states.grads
+    optimizer_s = opt_bytes / (hw.device.memory_bandwidth * hw.eff("memory")) if trainable else 0.0
+
+    n_micro = plan.n_microbatches
+    fwd_s = fwd_compute * n_micro + fwd_exposed
+    bwd_s = bwd_compute * n_micro
+    step_s = fwd_s + bwd_s + bwd_exposed + step_exposed + optimizer_s
+
+    # --- memory -----------------------------------------------------------------------
+    pg_bytes = {}
+    for p in trainable:
+        if p.key is not None:
+            pg_bytes[p.key] = states.per_param.get(p.name, {}).get("grads", 0)
+    live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
+                    storage_divisor=mem_div)
+    persistent = states.params + states.master + states.optimizer + states.buffers
+    if zero == 3:
+        per_layer = {}
+        for p in trainable:
+            per_layer[p.layer] = per_layer.get(p.layer, 0) + p.nbytes
+        transient = 2 * max(per_layer.values(), default=0)
+    end_of_bwd = persistent + states.grads + transient + live.inputs
+    adam_tmp = (states.optimizer - (4 * len(trainable) if opt.step_tensor else 0)) / max(opt.states, 1) \
+        if opt.states else 0
+    opt_peak = persistent + states.grads + adam_tmp
+    peak = max(persistent + live.peak + (transient if zero == 3 else 0), end_of_bwd, opt_peak)
+    memory = {**{k: float(v) for k, v in states.to_dict().items() if k != "total"},
+              "activations": float(live.saved), "activation_peak": float(live.peak),
+              "transient": float(transient), "peak": float(peak), "capacity": float(hw.device.memory_bytes)}
+    memory["headroom"] = memory["capacity"] - memory["peak"]
+    if peak > hw.device.memory_bytes:
+        notes.append(f"peak memory {peak / 2**30:.1f} GiB exceeds the device's "
+                     f"{hw.device.memory_bytes / 2**30:.1f} GiB")
+
+    # --- per layer ----------------------------------------------------------------------
+    saved_by_layer = {k: ev(v) for k, v in gc.saved_bytes_by_layer().items()}
+    params_by_layer: dict[str, float] = {}
+    for p in gc.params:
+        if not p.is_buffer:
+            row = states.per_param.get(p.name, {})
+            params_by_layer[p.layer] = params_by_layer.get(p.layer, 0.0) + row.get("params", 0)
+    layers = []
+    for name, nodes in gc.layers().items():
+        layers.append(LayerReport(
+            name=name, nodes=len(nodes),
+            fwd_flops=sum(ev(n.cost.flops) / comp_div.get(n.index, 1) for n in nodes),
+            bwd_flops=sum(ev(n.bwd_flops) / comp_div.get(n.index, 1) for n in nodes),
+            fwd_s=sum(fwd_t[n.index] for n in nodes), bwd_s=sum(bwd_t[n.index] for n in nodes),
+            comm_s=layer_comm.get(name, 0.0), saved_bytes=saved_by_layer.get(name, 0.0),
+            param_bytes=params_by_layer.get(name, 0.0),
+        ))  # fmt: skip
+
+    fwd_flops = sum(ly.fwd_flops for ly in layers) * n_micro
+    bwd_flops = sum(ly.bwd_flops for ly in layers) * n_micro
+    dtypes = [n.cost.dtype for n in gc.nodes if n.cost.kind in ("matmul", "attention")]
+    main = max(set(dtypes), key=dtypes.count) if dtypes else "fp32"
+    mfu = (fwd_flops + bwd_flops) / (step_s * hw.peak(main)) if step_s > 0 else 0.0
+    per_axis: dict[str, dict[str, float]] = {}
+    for r in comm_reports.values():
+        a = per_axis.setdefault(r.axis, {"payload": 0.0, "sent": 0.0, "time_s": 0.0})
+        a["payload"] += r.payload_bytes
+        a["sent"] += r.bytes_sent
+        a["time_s"] += r.time_s
+    if gc.unknown_ops:
+        notes.append("ops without a cost rule (fallback: bytes in+out, 1 FLOP per output element): "
+                     + ", ".join(f"{k} x{v}" for k, v in sorted(gc.unknown_ops.items())))
+    if gc.unknown_saved:
+        notes.append("ops without a saved-tensor rule (fallback: all inputs saved): "
+                     + ", ".join(f"{k} x{v}" for k, v in sorted(gc.unknown_saved.items())))
+    for op, why in sorted(gc.rule_errors.items()):
+        notes.append(f"the rule for {op} could not cost a call ({why}); fallback used")
+    if plan.split_points or plan.schedule:
+        notes.append("pipeline stages (split_points / schedule) are not modelled yet: costed as one stage")
+    if any(v != "none" for v in plan.recompute.values()):
+        notes.append("recompute is not modelled yet: every saved tensor is kept")
+    if plan.fusions:
+        notes.append("fusions are not modelled yet: ops are costed unfused")
+    notes.append(f"graph costed per micro-batch of sizes {dict((str(k), v) for k, v in values.items()) or 'static'}")
+    return Estimate(
+        hardware=hw.name, mesh=mesh, zero_stage=zero, sizes={str(k): int(v) for k, v in values.items()},
+        world_size=math.prod(mesh.values()), step_s=step_s, fwd_s=fwd_s, bwd_s=bwd_s + bwd_exposed,
+        optimizer_s=optimizer_s, comm_s=comm_total, comm_exposed_s=comm_exposed,
+        comm_overlapped_s=max(0.0, comm_total - comm_exposed), fwd_flops=fwd_flops, bwd_flops=bwd_flops, mfu=mfu,
+        memory=memory, bytes_per_axis=per_axis,
+        comm=sorted(comm_reports.values(), key=lambda r: (r.phase, r.axis, r.op)), layers=layers,
+        unknown_ops=dict(sorted(gc.unknown_ops.items())), unknown_saved=dict(sorted(gc.unknown_saved.items())),
+        notes=notes, analysis_s=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+def _buckets(params, bucket_mb: float, item: Mapping[str, int], local: Mapping[str, int]):
+    """Gradient buckets as runtime.zero.GradReducer forms them: reverse registration order,
+    a new bucket when the next gradient would pass bucket_mb or changes dtype."""
+    cap = int(bucket_mb * 2**20)
+    out, cur, size, dt = [], [], 0, None
+    for p in reversed(params):
+        nb = local[p.name] * item[p.name]
+        if cur and (size + nb > cap or p.dtype != dt):
+            out.append((cur, float(size)))
+            cur, size = [], 0
+        cur.append(p)
+        size += nb
+        dt = p.dtype
+    if cur:
+        out.append((cur, float(size)))
+    return out
+
+
+def _zero3(gc: GraphCost, trainable, fwd_t, bwd_t, al, algorithm, dp, grad_item, local, add_comm, layer_comm):
+    """ZeRO-3 per layer: all-gather before forward (prefetched one layer ahead), all-gather
+    before backward, reduce-scatter after it. Returns (fwd exposed, bwd exposed, comm time,
+    transient bytes)."""
+    order: list[str] = []
+    start_idx: dict[str, int] = {}
+    for n in gc.nodes:
+        if n.layer not in start_idx:
+            start_idx[n.layer] = n.index
+            order.append(n.layer)
+    by_layer: dict[str, list] = {}
+    for p in trainable:
+        by_layer.setdefault(p.layer if p.layer in start_idx else order[0], []).append(p)
+    layer_fwd = {ly: 0.0 for ly in order}
+    layer_bwd = {ly: 0.0 for ly in order}
+    for n in gc.nodes:
+        layer_fwd[n.layer] += fwd_t[n.index]
+        layer_bwd[n.layer] += bwd_t[n.index]
+    gather = {ly: sum(local[p.name] * p.dtype.itemsize for p in by_layer.get(ly, [])) for ly in order}
+    rs = {ly: sum(local[p.name] * grad_item[p.name] for p in by_layer.get(ly, [])) for ly in order}
+    total = 0.0
+
+    def run(seq, compute, comm_before, comm_after, phase):
+        nonlocal total
+        t = free = 0.0
+        prev_start = 0.0
+        for ly in seq:
+            g = comm_before[ly]
+            d = al.time("all_gather", g / dp, algorithm) if g else 0.0
+            if g:
+                start = max(free, prev_start)  # prefetch: issued once the previous layer started
+                free = start + d
+                total += d
+                add_comm("all_gather", al.axis, phase, g / dp, d, 0.0)
+                layer_comm[ly] = layer_comm.get(ly, 0.0) + d
+                t = max(t, free)
+            prev_start = t
+            t += compute[ly]
+            if comm_after is not None and comm_after[ly]:
+                d2 = al.time("reduce_scatter", comm_after[ly], algorithm)
+                start = max(free, t)
+                free = start + d2
+                total += d2
+                add_comm("reduce_scatter", al.axis, phase, comm_after[ly], d2, 0.0)
+                layer_comm[ly] = layer_comm.get(ly, 0.0) + d2
+        end = max(t, free)
+        return end - sum(compute[ly] for ly in seq)
+
+    fwd_exp = run(order, layer_fwd, gather, None, "forward")
+    bwd_exp = run(list(reversed(order)), layer_bwd, gather, rs, "backward")
+    return fwd_exp, bwd_exp, total, 0.0

@@ -1,0 +1,200 @@
+"""Hardware profiles: what one device can do and how devices are wired.
+
+A profile is a JSON file in `autopar/cost/profiles/` (or anywhere, by path): datasheet peaks
+(FLOP/s per dtype, memory bandwidth and capacity), the topology (GPUs per node, nodes, the
+intra-node link such as NVLink/NVSwitch and the inter-node link such as InfiniBand, each with
+a per-GPU, per-direction bandwidth and a latency), efficiency factors (the fraction of a peak
+that real kernels reach; defaults until `autopar tune` overwrites them), and the kernel
+choices that decide what autograd saves (flash vs. math attention, fused vs. composite
+RMSNorm, bool vs. dtype dropout masks), which differ between CUDA and CPU.
+
+A profile may `"extends"` another by name; its keys are merged over the parent's (nested
+dicts merge key by key).
+
+It reads and writes no `node.meta` keys. Guarantees: `load_profile` returns a validated,
+frozen `Hardware`, or raises `ValueError` naming the bad value or listing the known profiles.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+# what the kernel keys may say (see autopar/cost/saved.py for their effect)
+KERNEL_CHOICES = {
+    "sdpa": ("flash", "cpu", "math"),  # flash: CUDA flash/efficient; cpu: flash unless dropout; math: always math
+    "sdpa_math_upcast": (True, False),  # math attention computes fp16/bf16 inputs in fp32 (torch default)
+    "rms_norm": ("fused", "composite"),
+    "dropout_mask": ("bool", "input_dtype"),
+    "layer_norm_stats": ("acc", "input_dtype"),
+}
+EFFICIENCY_KEYS = ("matmul", "attention", "vector", "memory", "intra_node", "inter_node")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of wire: bandwidth in bytes/s per GPU per direction, latency (alpha) in s."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if not self.bandwidth > 0 or not self.latency >= 0:
+            raise ValueError(f"link {self.name!r} needs bandwidth > 0 and latency >= 0, "
+                             f"got bandwidth={self.bandwidth!r}, latency={self.latency!r}")
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    kind: str  # "cuda" | "cpu"
+    memory_bytes: float
+    peak_flops: Mapping[str, float]  # dtype name -> dense FLOP/s ("bf16", "fp16", "fp32", "tf32", ...)
+    memory_bandwidth: float  # bytes/s
+    vector_flops: float  # FLOP/s of non-matmul (elementwise, reduction) work
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device: Device
+    gpus_per_node: int
+    nodes: int
+    intra_node: Link
+    inter_node: Link
+    efficiency: Mapping[str, float]
+    kernels: Mapping[str, Any]
+    fp32_matmul: str = "fp32"  # "fp32" or "tf32": which peak an fp32 matmul runs at
+    kernel_overhead_s: float = 0.0  # launch cost per non-view kernel
+    description: str = ""
+    calibration: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def peak(self, dtype_name: str) -> float:
+        """Dense matmul FLOP/s for a dtype name ("bf16", "fp32" ...); fp32 follows `fp32_matmul`."""
+        key = self.fp32_matmul if dtype_name == "fp32" else dtype_name
+        try:
+            return self.device.peak_flops[key]
+        except KeyError:
+            raise ValueError(f"profile {self.name!r} has no peak for {key!r}; it lists "
+                             f"{sorted(self.device.peak_flops)}") from None
+
+    def eff(self, key: str) -> float:
+        return self.efficiency[key]
+
+    def with_nodes(self, nodes: int) -> "Hardware":
+        """The same hardware with a different node count (e.g. 64 nodes of 8 = 512 GPUs)."""
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+        return replace(self, nodes=nodes, name=f"{self.name}@{nodes}x{self.gpus_per_node}")
+
+    def calibrated(self, **efficiency: float) -> "Hardware":
+        """A copy with efficiency factors replaced (what `autopar tune` writes)."""
+        bad = {k: v for k, v in efficiency.items() if k not in EFFICIENCY_KEYS or not 0 < v <= 1}
+        if bad:
+            raise ValueError(f"efficiency factors must be among {EFFICIENCY_KEYS} and in (0, 1], got {bad}")
+        return replace(self, efficiency={**self.efficiency, **efficiency},
+                       calibration={**self.calibration, "source": "calibrated"})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {
+            "name": d["name"], "description": d["description"], "device": d["device"],
+            "topology": {"gpus_per_node": d["gpus_per_node"], "nodes": d["nodes"],
+                         "intra_node": d["intra_node"], "inter_node": d["inter_node"]},
+            "efficiency": dict(d["efficiency"]), "fp32_matmul": d["fp32_matmul"],
+            "kernel_overhead_s": d["kernel_overhead_s"], "kernels": dict(d["kernels"]),
+            "calibration": dict(d["calibration"]),
+        }  # fmt: skip
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def profile_names() -> list[str]:
+    """Names of the profiles shipped in autopar/cost/profiles/."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _raw(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
+    text = str(name_or_path)
+    path = Path(text)
+    if text.endswith(".json") or path.exists():
+        if not path.exists():
+            raise ValueError(f"hardware profile file {text!r} does not exist")
+    else:
+        path = PROFILE_DIR / f"{text}.json"
+        if not path.exists():
+            raise ValueError(f"unknown hardware profile {text!r}; known profiles: {', '.join(profile_names())} "
+                             "(or pass the path of a profile .json file)")
+    if str(path) in seen:
+        raise ValueError(f"hardware profile {path} extends itself through {' -> '.join(seen)}")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
+    parent = d.pop("extends", None)
+    if parent is not None:
+        d = _merge(_raw(parent, seen + (str(path),)), d)
+    return d
+
+
+def from_dict(d: Mapping[str, Any]) -> Hardware:
+    """Build and validate a Hardware from a profile dict (as stored in the JSON files)."""
+    try:
+        dev, topo = d["device"], d["topology"]
+        hw = Hardware(
+            name=d["name"],
+            device=Device(name=dev["name"], kind=dev["kind"], memory_bytes=float(dev["memory_bytes"]),
+                          peak_flops={k: float(v) for k, v in dev["peak_flops"].items()},
+                          memory_bandwidth=float(dev["memory_bandwidth"]), vector_flops=float(dev["vector_flops"])),
+            gpus_per_node=int(topo["gpus_per_node"]), nodes=int(topo["nodes"]),
+            intra_node=Link(**topo["intra_node"]), inter_node=Link(**topo["inter_node"]),
+            efficiency={k: float(v) for k, v in d["efficiency"].items()},
+            kernels=dict(d["kernels"]),
+            fp32_matmul=d.get("fp32_matmul", "fp32"),
+            kernel_overhead_s=float(d.get("kernel_overhead_s", 0.0)),
+            description=d.get("description", ""),
+            calibration=dict(d.get("calibration", {})),
+        )  # fmt: skip
+    except KeyError as e:
+        raise ValueError(f"hardware profile {d.get('name', '?')!r} lacks the key {e}; see "
+                         f"{PROFILE_DIR / 'h100-sxm.json'} for a complete profile") from None
+    if hw.device.kind not in ("cuda", "cpu"):
+        raise ValueError(f"device kind must be 'cuda' or 'cpu', got {hw.device.kind!r}")
+    if hw.gpus_per_node < 1 or hw.nodes < 1:
+        raise ValueError(f"gpus_per_node and nodes must be >= 1, got {hw.gpus_per_node} and {hw.nodes}")
+    missing = [k for k in EFFICIENCY_KEYS if k not in hw.efficiency]
+    bad = {k: v for k, v in hw.efficiency.items() if not 0 < v <= 1}
+    if missing or bad:
+        raise ValueError(f"profile {hw.name!r}: efficiency needs {EFFICIENCY_KEYS} in (0, 1]; "
+                         f"missing {missing}, out of range {bad}")
+    for k, choices in KERNEL_CHOICES.items():
+        if hw.kernels.get(k) not in choices:
+            raise ValueError(f"profile {hw.name!r}: kernels[{k!r}] = {hw.kernels.get(k)!r}; choose one of {choices}")
+    if hw.fp32_matmul not in hw.device.peak_flops:
+        raise ValueError(f"profile {hw.name!r}: fp32_matmul={hw.fp32_matmul!r} has no peak in "
+                         f"{sorted(hw.device.peak_flops)}")
+    return hw
+
+
+def load_profile(name_or_path: str | Path | Hardware) -> Hardware:
+    """A shipped profile by name ("h100-sxm", "h100-64", "cpu-gloo" ...) or a JSON file by path.
+    A `Hardware` is returned as is."""
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    return from_dict(_raw(name_or_path))

@@ -1,0 +1,328 @@
+"""Memory of a training step: model states per rank and the activation peak.
+
+Model states (`model_states`), per rank, for each parameter (numel n after its layout in
+`Plan.param_layouts`: a Shard over an axis of size k keeps n/k), ZeRO sharding over dp ranks
+as `torch.chunk` of the flattened tensor (rank r keeps chunk r: ceil(n/dp) for the first ones):
+  params      n * param bytes              (stage 3: the rank's chunk)
+  grads       n * grad bytes, trainable    (stage >= 2: the chunk)
+  master      n * 4 when master weights are kept (16-bit params, fp32 master)   (stage >= 1: chunk)
+  optimizer   n * states * state bytes     (stage >= 1: chunk); states: sgd 0, sgd_momentum 1
+              (momentum_buffer), adam/adamw 2 (exp_avg, exp_avg_sq; 3 with amsgrad), plus
+              torch's per-parameter `step` scalar (fp32, 4 bytes) for adam/adamw
+  buffers     full size on every rank
+State dtype = the master dtype when master weights are kept, else the parameter's dtype
+(torch.optim keeps states like the parameter they update).
+
+Activation peak (`liveness`): a walk over the forward in graph order, then the backward in
+reverse order. Forward: a node allocates the storages its outputs create (views allocate
+nothing) and the buffers it saves; a storage is freed after its last reader unless autograd
+saved it or it is a graph output. Backward (nodes with a grad_fn, reverse order): the node
+allocates gradients for its inputs that require grad (parameters: the rank's gradient bytes,
+once; accumulation into an existing gradient costs a temporary of its size; views, adds and
+copies hand the output gradient on without allocating), then frees its output gradients and
+every saved storage whose earliest saver is this node (autograd releases saved tensors when
+that backward has run). The graph outputs get dense gradients, as a cross-entropy loss gives.
+Kernel workspaces and the insides of composite ops are not modelled.
+
+It reads no `node.meta`. Guarantees: `model_states` is exact for the tensors torch.optim
+creates (tests compare with state dicts after a step); the walk's forward end equals
+inputs + outputs + saved bytes.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from autopar.runtime.placement import Layout, local_shape
+
+from .graph import GraphCost, ParamInfo
+from .ops import packet_name
+from .symbolic import evaluate
+
+# ops whose backward passes the output gradient to (the first of) their inputs as it is
+GRAD_PASSTHROUGH = {"aten.add", "aten.sub", "aten.to", "aten._to_copy", "aten.clone", "aten.contiguous",
+                    "aten.dropout", "aten.alias", "aten.detach", "aten.type_as", "operator.getitem"}
+
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What optimizer state exists per parameter."""
+
+    name: str = "adamw"  # sgd | sgd_momentum | adam | adamw
+    amsgrad: bool = False
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZER_STATES:
+            raise ValueError(f"unknown optimizer {self.name!r}; known: {', '.join(OPTIMIZER_STATES)} "
+                             "(or pass a torch.optim class or instance)")
+
+    @property
+    def states(self) -> int:
+        return OPTIMIZER_STATES[self.name] + (1 if self.amsgrad and self.name in ("adam", "adamw") else 0)
+
+    @property
+    def step_tensor(self) -> bool:
+        return self.name in ("adam", "adamw")
+
+    @staticmethod
+    def of(x: Any) -> "OptimizerSpec":
+        """From a name ("adamw", "sgd_momentum" ...), a torch.optim class or an instance."""
+        if isinstance(x, OptimizerSpec):
+            return x
+        if isinstance(x, str):
+            return OptimizerSpec(x.lower())
+        cls = x if isinstance(x, type) else type(x)
+        defaults = getattr(x, "defaults", {}) if not isinstance(x, type) else {}
+        name = cls.__name__.lower()
+        if name == "sgd":
+            return OptimizerSpec("sgd_momentum" if defaults.get("momentum", 0) else "sgd")
+        if name in ("adam", "adamw"):
+            return OptimizerSpec(name, bool(defaults.get("amsgrad", False)))
+        raise ValueError(f"no memory model for optimizer {cls.__name__}; known: SGD, Adam, AdamW")
+
+
+@dataclass
+class StateBytes:
+    """Per-rank bytes of the model states."""
+
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optimizer: int = 0
+    buffers: int = 0
+    per_param: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer + self.buffers
+
+    def to_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "master": self.master,
+                "optimizer": self.optimizer, "buffers": self.buffers, "total": self.total}
+
+
+def chunk_numel(n: int, parts: int, index: int) -> int:
+    """Elements of chunk `index` when n elements are split like torch.chunk into `parts`."""
+    if parts <= 1:
+        return n
+    size = -(-n // parts)
+    start = min(size * index, n)
+    return max(0, min(n, start + size) - start)
+
+
+def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stage: int = 0, dp: int = 1,
+                 rank: int = 0, master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
+                 param_layouts: Mapping[str, Layout] | None = None, mesh: Mapping[str, int] | None = None,
+                 dp_axis: str | None = "dp") -> StateBytes:
+    """Bytes of parameters, gradients, master weights and optimizer states on one rank.
+
+    Args:
+        params: `GraphCost.params` (or ParamInfo built from a module with `params_of`).
+        optimizer: name, torch.optim class or instance, or OptimizerSpec.
+        zero_stage: 0-3; shards optimizer states (>=1), gradients (>=2), parameters (3) over dp.
+        dp: data-parallel ranks; rank: this rank's index among them (chunks are uneven at the end).
+        master_dtype: keep master weights in this dtype when it differs from the parameter's
+            (e.g. torch.float32 for bf16 training with fp32 master weights).
+        grad_dtype: gradient dtype (default: the parameter's).
+        param_layouts, mesh: tensor-parallel layouts from the Plan; a Shard over an axis other
+            than `dp_axis` divides that dim by the axis size.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if dp < 1 or not 0 <= rank < dp:
+        raise ValueError(f"need dp >= 1 and 0 <= rank < dp, got dp={dp}, rank={rank}")
+    opt = OptimizerSpec.of(optimizer)
+    out = StateBytes()
+    for p in params:
+        numel = local_numel(p, param_layouts, mesh, dp_axis)
+        item = p.dtype.itemsize
+        if p.is_buffer:
+            out.buffers += numel * item
+            continue
+        shard = chunk_numel(numel, dp, rank)
+        row = {"params": (shard if zero_stage == 3 else numel) * item}
+        if p.requires_grad:
+            g_item = (grad_dtype or p.dtype).itemsize
+            row["grads"] = (shard if zero_stage >= 2 else numel) * g_item
+            n_opt = shard if zero_stage >= 1 else numel
+            master = master_dtype is not None and master_dtype != p.dtype
+            row["master"] = n_opt * master_dtype.itemsize if master else 0
+            s_item = master_dtype.itemsize if master else item
+            row["optimizer"] = n_opt * opt.states * s_item + (4 if (opt.step_tensor and n_opt > 0) else 0)
+        for k, v in row.items():
+            setattr(out, k, getattr(out, k) + v)
+        out.per_param[p.name] = row
+    return out
+
+
+def local_numel(p: ParamInfo, param_layouts: Mapping[str, Layout] | None, mesh: Mapping[str, int] | None,
+                dp_axis: str | None = "dp") -> int:
+    """Elements of `p` on one rank after its tensor-parallel layout (before ZeRO): a Shard over
+    an axis other than the dp axis divides that dim (torch.chunk sizes, rank 0's piece)."""
+    lay = (param_layouts or {}).get(p.name)
+    if lay is None or not mesh or not p.shape:
+        return p.numel
+    tp = Layout(tuple((a, pl) for a, pl in lay.axes if a != dp_axis and a in mesh))
+    coords = {a: 0 for a in mesh}
+    n = 1
+    for d in local_shape(p.shape, tp, mesh, coords):
+        n *= d
+    return n
+
+
+def params_of(module: torch.nn.Module) -> list[ParamInfo]:
+    """ParamInfo for a module's parameters and buffers (shared tensors once), for
+    `model_states` without a captured graph."""
+    out, seen = [], set()
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        is_buffer = not isinstance(t, torch.nn.Parameter)
+        out.append(ParamInfo(name, t.numel(), t.dtype, t.requires_grad and not is_buffer, is_buffer, None, 0, "",
+                             tuple(t.shape)))
+    return out
+
+
+# ------------------------------------------------------------------------ liveness
+@dataclass
+class Liveness:
+    """Result of the forward/backward walk on one rank (bytes)."""
+
+    inputs: float  # graph inputs (the batch), alive all step
+    saved: float  # saved for backward at the end of the forward
+    outputs: float
+    peak: float  # activations + activation grads + parameter grads produced so far
+    peak_phase: str  # "forward" | "backward"
+    peak_node: str
+    forward_end: float  # inputs + saved + outputs
+    param_grads: float  # parameter gradient bytes allocated by the end of backward
+
+
+def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, float] | None = None,
+             grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None) -> Liveness:
+    """Walk forward then backward and return the peak (see the module docstring).
+
+    Args:
+        values: symbol values (GraphCost.values(sizes)).
+        param_grad_bytes: storage key of a parameter -> its gradient bytes on this rank
+            (default: the parameter's full bytes).
+        grads_preallocated: gradients already exist (later micro-batches of accumulation).
+        storage_divisor: storage key -> how many ranks share it (tensor-parallel layouts).
+    """
+    div = storage_divisor or {}
+
+    def ev(x, key=None):
+        v = evaluate(x, values)
+        return v / div.get(key, 1) if key in div else v
+
+    size: dict[Any, float] = {}
+    for key, st in gc.storages.items():
+        if not st.is_state:
+            size[key] = ev(st.nbytes, key)
+    last_use: dict[Any, int] = {}
+    for n in gc.nodes:
+        for k in n.new_storages:
+            last_use.setdefault(k, n.index)
+        for k in n.uses:
+            last_use[k] = n.index
+    saved_until: dict[Any, int] = {}
+    new_saved: dict[int, list[Any]] = defaultdict(list)
+    for n in gc.nodes:
+        for key, nb, _tag in n.saved:
+            st = gc.storages.get(key)
+            if st is not None and st.is_state:
+                continue
+            if key not in size:  # a buffer created inside the op
+                size[key] = ev(nb)
+                new_saved[n.index].append(key)
+            saved_until[key] = min(saved_until.get(key, n.index), n.index)
+    out_keys = {t.key for t in gc.outputs if not t.is_state}
+    free_at: dict[int, list[Any]] = defaultdict(list)
+    for key, st in gc.storages.items():
+        if st.is_state or key in saved_until or key in out_keys or st.producer < 0:
+            continue
+        free_at[last_use.get(key, st.producer)].append(key)
+    inputs = sum(size[k] for k, st in gc.storages.items() if st.producer < 0 and not st.is_state)
+
+    pg_total = 0.0
+    pg = dict(param_grad_bytes or {})
+    if grads_preallocated:
+        pg_total = sum(pg.values()) if pg else sum(p.nbytes for p in gc.params if p.requires_grad)
+    live = inputs
+    peak, peak_phase, peak_node = live + pg_total, "forward", "(inputs)"
+    for n in gc.nodes:
+        for k in n.new_storages:
+            if k in size and gc.storages[k].producer == n.index:
+                live += size[k]
+        for k in new_saved.get(n.index, ()):
+            live += size[k]
+        if live + pg_total > peak:
+            peak, peak_phase, peak_node = live + pg_total, "forward", n.name
+        for k in free_at.get(n.index, ()):
+            live -= size[k]
+    saved_total = sum(size[k] for k in saved_until)
+    outputs = sum(size.get(k, 0) for k in out_keys if k not in saved_until)
+    forward_end = live
+
+    # backward: gradient buffers are reference-counted, because a view or an add hands its
+    # output gradient on to its input unchanged (no allocation)
+    buf: dict[int, float] = {}
+    refs: dict[int, int] = {}
+    grads: dict[int, int] = {}  # id(TensorMeta) -> buffer id
+
+    def alloc(nbytes: float) -> int:
+        nonlocal live
+        b = len(buf) + 1
+        buf[b], refs[b] = nbytes, 1
+        live += nbytes
+        return b
+
+    def unref(b: int) -> None:
+        nonlocal live
+        refs[b] -= 1
+        if refs[b] == 0:
+            live -= buf[b]
+
+    for t in gc.outputs:
+        if t.rg:
+            grads[id(t)] = alloc(ev(t.nbytes))  # a dense gradient, as a loss such as cross-entropy gives
+    live -= outputs  # the loss has been computed from the outputs; only saved ones stay
+    seen_param: set[Any] = set()
+    for n in reversed(gc.nodes):
+        if not n.has_grad_fn:
+            continue
+        out_b = [grads.pop(id(t)) for t in n.outputs if id(t) in grads]
+        if out_b:
+            through = n.kind == "view" or packet_name(n.op) in GRAD_PASSTHROUGH
+            out_numel = n.outputs[0].numel if n.outputs else None
+            transient = 0.0
+            for i, t in enumerate(n.grad_inputs):
+                if t.is_state:
+                    if t.key not in seen_param:
+                        seen_param.add(t.key)
+                        if not grads_preallocated:
+                            pg_total += pg.get(t.key, ev(t.nbytes))
+                elif id(t) in grads:  # accumulated into the existing gradient: a temporary
+                    transient += ev(t.nbytes)
+                elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):
+                    grads[id(t)] = out_b[0]
+                    refs[out_b[0]] += 1
+                else:
+                    grads[id(t)] = alloc(ev(t.nbytes))
+            if live + transient + pg_total > peak:
+                peak, peak_phase, peak_node = live + transient + pg_total, "backward", n.name
+            for b in out_b:
+                unref(b)
+        for key, _nb, _tag in n.saved:
+            st = gc.storages.get(key)
+            if saved_until.get(key) == n.index and not (st is not None and st.producer < 0):
+                live -= size[key]
+                saved_until[key] = -1
+    return Liveness(inputs=inputs, saved=saved_total, outputs=outputs, peak=peak, peak_phase=peak_phase,
+                    peak_node=peak_node, forward_end=forward_end, param_grads=pg_total)
