@@ -164,6 +164,17 @@ def optimizer(model: ParallelModel, cls: type, **kwargs: Any):
     return model.engine.make_optimizer(cls, **kwargs)
 
 
+def sampler(dataset, mesh: Mesh, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+    """A `DistributedSampler` over the mesh's dp axis: ranks that share a dp index (tensor or
+    pipeline peers) read the same samples; different dp indices read disjoint ones.
+    Use it when each rank loads its own part; `model.step` also accepts the global batch."""
+    from torch.utils.data import DistributedSampler
+
+    dp = mesh.size("dp")
+    index = mesh.local_rank("dp") if dist.is_initialized() else 0
+    return DistributedSampler(dataset, num_replicas=dp, rank=index, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
 # --- helpers -----------------------------------------------------------------------------
 def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches) -> Plan:
     others = {a: s for a, s in mesh.sizes.items() if a != "dp" and s > 1}
@@ -196,11 +207,8 @@ def _predict(plan: Plan, gm, mesh: Mesh) -> None:
         from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
     except ImportError:
         return
-    fn = getattr(cost_estimate, "estimate", None)
-    if fn is None:
-        return
     try:
-        est = fn(gm, plan, "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm")
-        plan.predicted = est.summary() if hasattr(est, "summary") else {}
+        hw = "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
+        plan.predicted = cost_estimate(gm, plan, hw).summary()
     except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
         plan.predicted = {"error": f"{type(e).__name__}: {e}"}

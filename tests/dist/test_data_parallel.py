@@ -144,6 +144,17 @@ def test_bad_input_is_a_clear_error_on_every_rank():
         assert "batch=(inputs, targets)" in errors["shape"]
 
 
+def _sampled(rank, ws):
+    mesh = autopar.mesh(dp=2, tp=ws // 2)
+    return list(iter(autopar.sampler(list(range(10)), mesh, shuffle=False)))
+
+
+def test_sampler_splits_samples_over_dp_and_repeats_them_over_tp():
+    got = world(4, _sampled)
+    assert got[0] == got[1] and got[2] == got[3]          # tp peers read the same samples
+    assert sorted(got[0] + got[2]) == list(range(10))     # dp ranks read disjoint halves
+
+
 def test_mesh_without_processes_checks_the_world_size():
     with pytest.raises(ValueError, match="product is 8"):
         autopar.mesh(world_size=8, dp=2, tp=2)
