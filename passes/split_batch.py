@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.runtime.placement import R, Layout, Shard
+from autopar.runtime.placement import Layout, Shard
 
 from . import ir
 from .pass_manager import PassContext
@@ -68,4 +68,4 @@ def _param_only(n: fx.Node) -> bool:
     return True
 
 
-__all__ = ["split_batch", "R"]
+__all__ = ["split_batch"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_cost_helpers import capture, captured  # noqa: E402
+from cost_helpers import capture, captured  # noqa: E402
 
 from autopar.cost import analyze, estimate, liveness  # noqa: E402
 from autopar.passes.plan import Plan  # noqa: E402

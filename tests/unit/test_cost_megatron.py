@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_cost_helpers import capture  # noqa: E402
+from cost_helpers import capture  # noqa: E402
 
 from autopar.cost import analyze  # noqa: E402
 

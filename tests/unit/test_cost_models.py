@@ -24,7 +24,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_cost_helpers import HF, REFERENCE, build, capture, captured, measure_flops, measure_saved_bytes  # noqa: E402
+from cost_helpers import HF, REFERENCE, build, capture, captured, measure_flops, measure_saved_bytes  # noqa: E402
 
 from autopar.cost import analyze  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_math_attention_flops_and_saved_bytes_match_when_torch_runs_the_math_ker
 @pytest.mark.parametrize("name", ["hf-llama", "hf-bert", "hf-gpt2"])
 def test_transformers_eager_attention_matmul_softmax_dropout_match_measurements(name):
     # attn_implementation="eager": explicit matmul / softmax / dropout(p=0.0) in the graph
-    from test_cost_helpers import hf_model
+    from cost_helpers import hf_model
 
     torch.manual_seed(0)
     cfg = hf_model(name).config

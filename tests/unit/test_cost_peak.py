@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_cost_helpers import build, capture, float_outputs  # noqa: E402
+from cost_helpers import build, capture, float_outputs  # noqa: E402
 
 from autopar.cost import analyze, liveness  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_cost_helpers import captured, float_outputs  # noqa: E402
+from cost_helpers import captured, float_outputs  # noqa: E402
 
 from autopar.cost import analyze, model_states, params_of  # noqa: E402
 

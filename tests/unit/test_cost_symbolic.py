@@ -12,7 +12,7 @@ import torch
 from torch.export import Dim
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_cost_helpers import build, capture, measure_flops, measure_saved_bytes  # noqa: E402
+from cost_helpers import build, capture, measure_flops, measure_saved_bytes  # noqa: E402
 
 from autopar.cost import B, S, analyze, estimate  # noqa: E402
 
