@@ -23,6 +23,7 @@ from autopar.passes import ir
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
+from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
 from autopar.passes.zero import zero
 from autopar.runtime.mesh import Mesh, make_mesh
@@ -43,7 +44,7 @@ class ParallelModel(nn.Module):
         self.program = program
         self._plan = plan
         self.graph_module = graph
-        self.global_graph = global_graph
+        self.__dict__["global_graph"] = global_graph  # not a submodule: its tensors are the user's model's
         self.pass_records = records
         self.capture_info = capture_info
 
@@ -95,6 +96,10 @@ class ParallelModel(nn.Module):
                             "nodes_after": r.nodes_after, "collectives_added": dict(r.collectives_added),
                             "changed": r.changed} for r in self.pass_records], f, indent=2)
             files.append(lp)
+            from autopar.pipeline_build import write_schedule_svg, write_stage_graphs  # noqa: PLC0415
+
+            files += write_schedule_svg(self._plan, out_dir)
+            files += write_stage_graphs(self.__dict__.get("stage_graphs", []), out_dir, self._plan)
         header = "\n".join(r.header() for r in self.pass_records) or "no pass changed the graph"
         files.append(write_graph(self.graph_module, os.path.join(out_dir, f"rank{rank}_program.py"),
                                  header=f"rank {rank} coords {self.mesh.coords(rank)}\n{header}"))
@@ -104,7 +109,7 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: Any, plan: Plan | None = None,
                 pins: dict | None = None, zero_stage: int | None = None, bucket_mb: float | None = None,
                 n_microbatches: int | None = None, leaf_modules: Iterable[str] = (),
-                dump_dir: str | None = None, sync_init: bool = True) -> ParallelModel:
+                dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -116,6 +121,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         zero_stage, bucket_mb, n_microbatches: shortcuts for the same pins.
         leaf_modules: submodules to keep opaque at capture.
         dump_dir: write dumps of every pass here (also `AUTOPAR_DUMP=dir`).
+        hardware: the cost-model profile the search plans for ("h100-sxm", "cpu-gloo", a
+            path ...); default: the profile of the mesh's device type. Planning for the
+            target cluster while running on a CPU mesh is how plans are debugged.
     """
     if mesh is None:
         mesh = make_mesh()
@@ -136,24 +144,39 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                              f"dp={dp} x micro-batches={plan.n_microbatches}; use a batch size that is a "
                              f"multiple of {dp * plan.n_microbatches}")
     global_gm = capture(model, args, leaf_modules=leaf_modules)
-    local_gm = global_gm
+    local_gm = _fresh(global_gm)
     if dp > 1 and _batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
         # capture again at the local micro-batch size for the per-rank program
         k = dp * plan.n_microbatches
         local_args = pytree.tree_map(lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t,
                                      args)
-        local_gm = capture(model, local_args, leaf_modules=leaf_modules)
+        local_gm = _fresh(capture(model, local_args, leaf_modules=leaf_modules))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, zero], dump_dir=dump_dir)
+    pm = PassManager([split_batch, shard, zero], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
-    program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
-                      in_spec=global_gm.meta.get("autopar_in_spec"), out_spec=global_gm.meta.get("autopar_out_spec"),
-                      sync_init=sync_init)
-    _predict(plan, global_gm, mesh)
-    return ParallelModel(program, plan, local_gm, global_gm, pm.records, global_gm.meta.get("autopar_capture", {}))
+    _predict(plan, global_gm, local_gm, mesh)
+    records, stage_graphs = list(pm.records), []
+    if mesh.size("pp") > 1:
+        from autopar.pipeline_build import build_pipeline  # noqa: PLC0415
+
+        program, stage_graphs, pp_records = build_pipeline(global_gm, local_gm, plan, mesh, sync_init=sync_init,
+                                                           hardware=hardware, dump_dir=dump_dir)
+        records += pp_records
+        if "pipeline" in plan.extra:  # estimate() costs one stage; the pipeline's own prediction replaces its time
+            pipe = plan.extra["pipeline"]
+            plan.predicted.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
+                                  peak_bytes_per_pp_rank=pipe["rank_memory_bytes"])
+    else:
+        program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
+                          in_spec=global_gm.meta.get("autopar_in_spec"),
+                          out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init)
+    pmodel = ParallelModel(program, plan, local_gm, global_gm, records, global_gm.meta.get("autopar_capture", {}))
+    pmodel.__dict__["stage_graphs"] = stage_graphs
+    return pmodel
 
 
 def optimizer(model: ParallelModel, cls: type, **kwargs: Any):
@@ -176,20 +199,77 @@ def sampler(dataset, mesh: Mesh, *, shuffle: bool = True, seed: int = 0, drop_la
 
 
 # --- helpers -----------------------------------------------------------------------------
+SHARD_AXES = ("tp",)
+
+
 def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches) -> Plan:
-    others = {a: s for a, s in mesh.sizes.items() if a != "dp" and s > 1}
+    others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "pp") + SHARD_AXES and s > 1}
     if plan is None:
         if others:
-            raise ValueError(f"{mesh} has axes {others} besides dp; this version parallelises over dp only "
-                             "(tensor, pipeline and expert parallelism need their passes). Use autopar.mesh(dp=N)")
+            raise ValueError(f"{mesh} has axes {others}; this version parallelises over dp, tp and pp "
+                             "(expert parallelism needs its pass). Use autopar.mesh(dp=N, tp=M, pp=K)")
         plan = Plan(mesh=dict(mesh.sizes), dp_axis="dp" if "dp" in mesh.sizes else None)
-        plan.notes.append(f"data parallel over dp={mesh.size('dp')}: every rank holds the whole model")
+        if mesh.size("dp") > 1:
+            plan.notes.append(f"data parallel over dp={mesh.size('dp')}: the batch is split along dim 0")
     elif plan.mesh != dict(mesh.sizes):
         raise ValueError(f"the plan is for mesh {plan.mesh} but the mesh is {dict(mesh.sizes)}")
     shortcut = {k: v for k, v in {"zero_stage": zero_stage, "bucket_mb": bucket_mb,
                                   "n_microbatches": n_microbatches}.items() if v is not None}
     all_pins = {**(pins or {}), **shortcut}
     return plan.pin(**all_pins) if all_pins else plan
+
+
+def _hardware(mesh: Mesh) -> str:
+    return "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
+
+
+def _search_sharding(plan: Plan, gm, mesh: Mesh, hardware: str) -> None:
+    """Solve the sharding ILP for every sharding axis the plan does not already fix; rank 0
+    solves and the others receive its answer, so every rank carries out the same plan."""
+    from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
+    from autopar.runtime.placement import Layout, parse_placement  # noqa: PLC0415
+
+    for axis in SHARD_AXES:
+        k = mesh.sizes.get(axis, 1)
+        if k < 2 or axis in plan.strategies:
+            continue
+        result = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            pins = {name: lay[axis] for name, lay in plan.param_layouts.items() if axis in dict(lay.axes)}
+            try:
+                sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins)
+                result = {"strategies": sol.strategies(), "params": {n: str(p) for n, p in sol.param_placements().items()},
+                          "notes": [sol.summary()] + _shard_notes(sol),
+                          "layouts": {sol.keys[n]: str(s.out) for n, s in sol.chosen.items()
+                                      if s.out is not None and str(s.out) != "R" and n.op == "call_function"},
+                          "search": {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "gap": sol.gap,
+                                     "seconds": sol.seconds, "status": sol.status}}
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                result = {"error": f"{type(e).__name__}: {e}"}
+        if dist.is_initialized():
+            box = [result]
+            dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        if "error" in result:
+            raise ValueError(f"the sharding search on {axis}={k} failed: {result['error']}")
+        plan.strategies[axis] = result["strategies"]
+        for name, p in result["params"].items():
+            base = plan.param_layouts.get(name) or Layout.replicated(tuple(mesh.sizes))
+            plan.param_layouts[name] = base.replace(axis, parse_placement(p))
+        plan.notes += result["notes"]
+        for key, p in result["layouts"].items():
+            plan.node_layouts[key] = Layout.replicated(tuple(mesh.sizes)).replace(axis, parse_placement(p))
+        plan.extra.setdefault("shard", {})[axis] = result["search"]
+
+
+def _shard_notes(sol) -> list[str]:
+    notes = []
+    if sol.unruled:
+        notes.append("replicated (no sharding rule): " + ", ".join(f"{op} x{c}" for op, c in sol.unruled.most_common()))
+    if sol.excluded:
+        uniq = sorted(set(sol.excluded))
+        notes.append(f"{len(uniq)} shardings excluded as uneven, e.g. " + "; ".join(uniq[:3]))
+    return notes
 
 
 def _batch_is_static(gm) -> bool:
@@ -201,14 +281,34 @@ def _batch_is_static(gm) -> bool:
     return False
 
 
-def _predict(plan: Plan, gm, mesh: Mesh) -> None:
-    """Fill plan.predicted from the cost model when it is available."""
+def _fresh(gm):
+    """A GraphModule with its own copy of `gm`'s graph and module tree but the same tensors:
+    passes rewrite it and swap its parameters for shards without touching `gm` (kept as the
+    captured global graph) or using memory for a second copy of the weights."""
+    import copy  # noqa: PLC0415
+
+    import torch.fx as fx  # noqa: PLC0415
+
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
+    return out
+
+
+def _predict(plan: Plan, global_gm, local_gm, mesh: Mesh) -> None:
+    """Fill plan.predicted from the cost model when it is available. Sizes are per rank: the
+    global graph with the batch split over dp x micro-batches, or the per-rank capture when
+    the batch dim was captured static."""
     try:
         from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
     except ImportError:
         return
     try:
         hw = "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
-        plan.predicted = cost_estimate(gm, plan, hw).summary()
+        if _batch_is_static(global_gm):
+            plan.predicted = cost_estimate(local_gm, plan, hw).summary()
+        else:
+            plan.predicted = cost_estimate(global_gm, plan, hw, batch_is_global=True).summary()
+        for axis, info in plan.extra.get("shard", {}).items():
+            plan.predicted[f"{axis}_comm_s"] = info["comm_s"]
     except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
         plan.predicted = {"error": f"{type(e).__name__}: {e}"}

@@ -157,3 +157,35 @@ def _fetch_attr(gm: nn.Module, target: str):
 
 def unannotated_ops(gm: fx.GraphModule) -> list[str]:
     return [n.format_node() for n in gm.graph.nodes if KEY not in n.meta]
+
+
+def node_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Stable names for a graph's nodes, the same across captures of one model (fx node
+    names are not): parameters and buffers by their name, inputs by position
+    (`input:<i>`), the output as `output`, and every call as `<module path>:<op>#<k>` (the
+    k-th call of that op in that module, in graph order) — the convention of the Plan's
+    `node_layouts` and of the cost model's NodeCost.key."""
+    keys: dict[fx.Node, str] = {}
+    count: dict[tuple[str, str], int] = {}
+    n_in = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            keys[n] = f"input:{n_in}"
+            n_in += 1
+        elif n.op == "get_attr":
+            keys[n] = str(n.target)
+        elif n.op == "output":
+            keys[n] = "output"
+        else:
+            i = get_info(n)
+            mod = i.module if i is not None else module_path(n)
+            short = _short_op(n.target)
+            k = count.get((mod, short), 0)
+            count[(mod, short)] = k + 1
+            keys[n] = f"{mod}:{short}#{k}"
+    return keys
+
+
+def _short_op(target) -> str:
+    name = getattr(target, "__name__", str(target))  # OpOverload: "linear.default"
+    return name.split(".")[0] if hasattr(target, "overloadpacket") else name

@@ -28,6 +28,9 @@ class Plan:
     bucket_mb: gradient bucket size for reduction (and ZeRO-3 gather prefetch).
     param_layouts: parameter name -> layout over the mesh (missing = replicated).
     node_layouts: stable node key ("<module path>:<op>#<k>") -> output layout (missing = inferred).
+    strategies: mesh axis -> stable node key -> sharding strategy on that axis, as text
+        ("R,S(0)->S(2)": input placements -> output placement; see passes/rules/sharding.py).
+        Missing nodes are replicated on the axis.
     split_points: module paths at which a new pipeline stage starts.
     schedule: pipeline schedule name ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1").
     n_microbatches: micro-batches per step (pipeline, or gradient accumulation without one).
@@ -43,6 +46,7 @@ class Plan:
     bucket_mb: float = 25.0
     param_layouts: dict[str, Layout] = field(default_factory=dict)
     node_layouts: dict[str, Layout] = field(default_factory=dict)
+    strategies: dict[str, dict[str, str]] = field(default_factory=dict)
     split_points: list[str] = field(default_factory=list)
     schedule: str | None = None
     n_microbatches: int = 1
@@ -114,6 +118,7 @@ class Plan:
         d = asdict(self)
         d["param_layouts"] = dict(self.param_layouts)
         d["node_layouts"] = dict(self.node_layouts)
+        d["strategies"] = {a: dict(t) for a, t in self.strategies.items()}
         for k, v in pins.items():
             if k not in d:
                 raise ValueError(f"cannot pin unknown plan field {k!r}")

@@ -5,11 +5,12 @@
   estimate(gm, plan, hardware)     step time, overlap, memory per rank, per layer (estimate.py)
   model_states / liveness          parameter, gradient, optimizer bytes; activation peak (memory.py)
   bytes_sent / collective_time     collectives per algorithm and mesh axis          (comm.py)
+  payload_bytes                    what runtime.collectives.COUNTER records per call (comm.py)
   load_profile(name_or_path)       hardware profiles (profiles/*.json)          (hardware.py)
 
 It reads `node.meta["val"]` and `node.meta["nn_module_stack"]` and writes no node.meta key.
 """
-from .comm import COLLECTIVES, axis_links, bytes_sent, collective_time, total_bytes_sent
+from .comm import COLLECTIVES, axis_links, bytes_sent, collective_time, padded_payload, payload_bytes, total_bytes_sent
 from .estimate import CommReport, Estimate, LayerReport, estimate
 from .graph import GraphCost, NodeCost, ParamInfo, analyze
 from .hardware import Hardware, Link, load_profile, profile_names
@@ -22,6 +23,6 @@ __all__ = [
     "B", "COLLECTIVES", "CommReport", "Estimate", "GraphCost", "Hardware", "LayerReport", "Link", "New",
     "NodeCost", "OP_RULES", "OpCost", "OptimizerSpec", "ParamInfo", "S", "SAVED_RULES", "StateBytes",
     "SymbolMap", "analyze", "axis_links", "bytes_sent", "collective_time", "estimate", "evaluate",
-    "liveness", "load_profile", "model_states", "params_of", "profile_names", "register_op",
-    "register_saved", "total_bytes_sent",
+    "liveness", "load_profile", "model_states", "padded_payload", "params_of", "payload_bytes", "profile_names",
+    "register_op", "register_saved", "total_bytes_sent",
 ]  # fmt: skip

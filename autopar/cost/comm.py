@@ -4,6 +4,14 @@ Payload convention (the same as `autopar.runtime.collectives.COUNTER`): `nbytes`
 handed to the collective on one rank — the input of all-reduce, reduce-scatter and
 all-to-all, the local shard of all-gather, the tensor of broadcast and send.
 
+Payload of a graph collective (`payload_bytes`, what COUNTER records for a call with a tensor
+of a given shape): uneven dims follow torch.chunk and the runtime pads every rank's piece to
+cpad = ceil(N/n) rows of the sharded dim (N its global size), so
+  all_reduce, all_to_all, broadcast, send_recv   the tensor's bytes
+  all_gather      cpad rows of the local piece (N = full_size, or local rows * n when even)
+  reduce_scatter  n * cpad rows of the input (N = the input's rows along dim)
+Both padded payloads are the same on every rank of the group.
+
 Bytes each rank sends (`bytes_sent`), for a group of n ranks:
   ring    all_reduce      2(n-1)/n * B    (reduce-scatter then all-gather, chunks of B/n)
           reduce_scatter  (n-1)/n * B
@@ -30,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .hardware import Hardware, Link
 
@@ -46,6 +54,40 @@ def _check(op: str, algorithm: str, n: int) -> None:
         raise ValueError(f"{op} has no {algorithm!r} algorithm here; use one of {ALGORITHMS[op]}")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"group size must be a positive integer, got {n!r}")
+
+
+def padded_payload(op: str, rows: int, row_bytes: int, n: int) -> int:
+    """Payload of an all-gather or reduce-scatter whose sharded dim has `rows` rows globally,
+    `row_bytes` bytes each, over n ranks (torch.chunk pieces padded to ceil(rows/n) rows):
+    all_gather ceil(rows/n) * row_bytes, reduce_scatter n * ceil(rows/n) * row_bytes."""
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"padded_payload is for all_gather and reduce_scatter, got {op!r}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"group size must be a positive integer, got {n!r}")
+    cpad = -(-int(rows) // n)
+    return int(cpad * row_bytes * (n if op == "reduce_scatter" else 1))
+
+
+def payload_bytes(op: str, shape: Sequence[int], itemsize: int, n: int, *, dim: int = 0,
+                  full_size: int = -1) -> int:
+    """Bytes `runtime.collectives.COUNTER` records for graph collective `op` called on this rank
+    with a tensor of `shape` over a group of n ranks (see the module docstring). `dim`: the
+    gathered / scattered dim; `full_size`: all_gather's global size of it (-1: even)."""
+    shape = [int(d) for d in shape]
+    numel = math.prod(shape)
+    if op in ("all_reduce", "all_to_all", "broadcast", "send_recv", "send", "recv"):
+        return numel * itemsize
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(COLLECTIVES)}")
+    if not shape:
+        raise ValueError(f"{op} needs a tensor with at least one dim, got shape {shape}")
+    d = dim % len(shape)
+    row_bytes = math.prod(shape[:d] + shape[d + 1:]) * itemsize
+    if op == "all_gather":
+        rows = full_size if full_size >= 0 else shape[d] * n
+    else:
+        rows = shape[d]
+    return padded_payload(op, rows, row_bytes, n)
 
 
 def bytes_sent(op: str, nbytes: float, n: int, algorithm: str = "ring", rank: int | None = None) -> float:

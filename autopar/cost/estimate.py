@@ -1,8 +1,10 @@
 """`estimate(gm, plan, hardware) -> Estimate`: predicted step time and memory per rank.
 
 The captured graph is what one rank runs on one micro-batch: with data parallelism every dp
-rank runs it on its own slice of the batch (pass `sizes={"b": global_batch // dp}` to cost a
-global batch, or `global_batch=`, when the batch dimension was captured dynamic).
+rank runs it on its own slice of the batch. For a graph captured at the global batch (as
+`autopar.parallelize` captures it) pass `batch_is_global=True`, which costs the captured b
+divided by dp * n_microbatches; or set the batch yourself with `global_batch=` or
+`sizes={"b": ...}` (all need the batch dimension captured dynamic).
 
 Time of a node (roofline): max(matmul FLOPs / (peak[dtype] * eff.matmul) + other FLOPs /
 (vector peak * eff.vector), bytes / (memory bandwidth * eff.memory)) + kernel overhead;
@@ -10,21 +12,31 @@ attention uses eff.attention and counts half the score matrix when causal. Backw
 node's backward FLOPs, twice its other FLOPs, and bytes = output gradients + input gradients
 + saved tensors. Collective nodes in the graph (`autopar.all_reduce` ...) block the stream.
 
-Data parallelism (Plan.mesh[dp_axis] = n), as `runtime.zero` runs it:
-  ZeRO 0   gradients in buckets of `bucket_mb` (reverse parameter order, split at dtype
+Data parallelism (Plan.mesh[dp_axis] = n), as `runtime.zero` runs it, with payloads as
+`runtime.collectives.COUNTER` counts them (parameters sharded by dim-0 rows; communication
+buffers pad every parameter's rows to ceil(rows/n): `memory.padded_numel`):
+  ZeRO 0   gradients in buckets (`runtime.zero_shard.make_buckets`: reverse parameter order,
+           the first bucket at most min(1 MB, bucket_mb), then `bucket_mb`, split at dtype
            changes), each all-reduced when its last gradient is ready, in bucket order, on a
            communication stream that overlaps the rest of backward;
-  ZeRO 1/2 the same buckets reduce-scattered; after the optimizer step the updated
-           parameters all-gathered (exposed);
-  ZeRO 3   per layer: parameters all-gathered before forward (prefetched one layer ahead)
-           and again before backward, gradients reduce-scattered after the layer's backward.
+  ZeRO 1   the same all-reduce (full gradients); after the optimizer step every bucket's
+           updated rows all-gathered (padded; exposed);
+  ZeRO 2   the same buckets reduce-scattered (padded input), then the same all-gather;
+  ZeRO 3   per unit (`runtime.zero_stage3.default_units`, from the parameter names: one per
+           top-level child, list-like children per element, root parameters one more): the
+           unit all-gathered when its first parameter is read (each parameter is read just
+           before its first use; prefetched one unit ahead), all-gathered again in backward
+           only when autograd saved one of its parameters (an embedding's weight is not), and
+           its gradients reduce-scattered after its backward. A unit read again after
+           another one is gathered again (the runtime frees the previous unit on a switch).
 Exposed communication = what is left after the overlap; step = forward + backward + exposed
 communication + optimizer step (memory bound).
 
 Memory per rank: model states (`memory.model_states`), plus the activation peak from the
-liveness walk (`memory.liveness`), plus transient buffers: ZeRO 0 keeps a flat copy of every
-gradient bucket until the step (what `runtime.zero.GradReducer` does), ZeRO 3 holds two
-layers of gathered parameters (current + prefetch). The optimizer step adds one temporary
+liveness walk (`memory.liveness`), plus transient buffers: ZeRO 0/1 keep a flat copy of every
+gradient bucket until backward finishes (what `runtime.zero.GradReducer` does), ZeRO 2 every
+bucket's padded input and output (`ScatterReducer`), ZeRO 3 holds two units of gathered
+parameters (current + prefetch). The optimizer step adds one temporary
 per parameter element for Adam's foreach denominator.
 
 Tensor-parallel plug-in: `Plan.node_layouts` maps a node key ("<module path>:<op>#<k>") to its
@@ -33,10 +45,14 @@ Shard or Partial, its new storages by those where it is Shard (the dp axis is ig
 shapes are already per dp rank).
 
 It reads nothing from `node.meta` beyond what `analyze` reads. Guarantees: deterministic
-output (no ids, no timestamps); `to_json()` round-trips through `json.loads`.
+output (no ids, no timestamps); `to_json()` round-trips through `json.loads`;
+`Estimate.collectives()` equals `runtime.collectives.COUNTER.snapshot()` of one training step
+of the runtime (gloo test tests/dist/test_cost_counter.py), the reported-loss all-reduce
+(`metric_all_reduce`) aside.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -48,11 +64,12 @@ import torch.fx as fx
 
 from autopar.passes.plan import Plan
 from autopar.runtime.placement import Partial, Shard
+from autopar.runtime.zero_shard import FIRST_BUCKET_MB
 
 from . import comm as C
-from .graph import GraphCost, NodeCost, analyze
+from .graph import GraphCost, NodeCost, ParamInfo, analyze
 from .hardware import Hardware, load_profile
-from .memory import OptimizerSpec, StateBytes, liveness, local_numel, model_states
+from .memory import OptimizerSpec, StateBytes, liveness, model_states, padded_numel, rows_of, tp_local_shape
 from .symbolic import evaluate
 
 
@@ -119,6 +136,19 @@ class Estimate:
     @property
     def fits(self) -> bool:
         return self.memory["peak"] <= self.memory["capacity"]
+
+    def collectives(self, phase: str | None = None) -> dict[str, dict[str, int]]:
+        """Calls and payload bytes per collective and axis, summed over phases (or of one
+        phase: "forward", "backward", "step"), keyed and sorted as
+        `runtime.collectives.COUNTER.snapshot()`: {"all_reduce@dp": {"calls": 3, "bytes": 1234}}."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.comm:
+            if phase is not None and r.phase != phase:
+                continue
+            row = out.setdefault(f"{r.op}@{r.axis}", {"calls": 0, "bytes": 0})
+            row["calls"] += r.calls
+            row["bytes"] += int(round(r.payload_bytes))
+        return dict(sorted(out.items()))
 
     def summary(self) -> dict[str, Any]:
         """The headline figures (for Plan.predicted): times in s, memory in bytes, per rank."""
@@ -261,6 +291,7 @@ def _divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], dict[An
 # ------------------------------------------------------------------------ the estimate
 def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,
              sizes: Mapping[str, int] | None = None, global_batch: int | None = None,
+             batch_is_global: bool = False,
              optimizer: Any = "adamw", master_dtype: torch.dtype | str | None = "auto",
              grad_dtype: torch.dtype | None = None, algorithm: str = "auto",
              kernels: Mapping[str, Any] | None = None) -> Estimate:
@@ -273,6 +304,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         hardware: a Hardware or a profile name / path ("h100-64", "cpu-gloo" ...).
         sizes: values of the size symbols ({"b": 4, "s": 8192}); default the captured sizes.
         global_batch: sets b = global_batch / (dp * n_microbatches) (needs a dynamic batch dim).
+        batch_is_global: the graph was captured at the global batch (autopar.parallelize's
+            capture): b = the captured b / (dp * n_microbatches), unless `global_batch` or
+            `sizes["b"]` say otherwise.
         optimizer: "adamw", "adam", "sgd", "sgd_momentum", or a torch.optim class/instance.
         master_dtype: fp32 master weights; "auto": torch.float32 when parameters are 16-bit.
         grad_dtype: gradient dtype (default: the parameter's).
@@ -296,8 +330,14 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     dp_axis = plan.dp_axis if plan.dp_axis in mesh else None
     dp = mesh.get(dp_axis, 1) if dp_axis else 1
     sizes = dict(sizes or {})
+    per = dp * plan.n_microbatches
+    if global_batch is None and batch_is_global and "b" not in sizes:
+        captured_b = next((v for k, v in gc.values().items() if str(k) == "b"), None)
+        if captured_b is None:
+            raise ValueError("batch_is_global=True needs a graph captured with a dynamic batch dim (symbol b); "
+                             "this one is static: cost the per-rank graph captured at the local batch instead")
+        global_batch = int(captured_b)
     if global_batch is not None:
-        per = dp * plan.n_microbatches
         if global_batch % per:
             raise ValueError(f"global_batch={global_batch} does not divide by dp * n_microbatches = {per}; "
                              "pick a multiple")
@@ -315,7 +355,11 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         f, b = timer.node(n, comp_div.get(n.index, 1))
         fwd_t[n.index], bwd_t[n.index] = f, b
         for cm in n.cost.comm:
-            graph_comm.append((n.index, cm.op, cm.axis, ev(cm.nbytes), cm.backward))
+            if cm.rows is not None and cm.axis in mesh:  # uneven pieces padded to ceil(rows / n)
+                payload = float(C.padded_payload(cm.op, int(ev(cm.rows)), int(ev(cm.row_bytes)), mesh[cm.axis]))
+            else:
+                payload = ev(cm.nbytes)
+            graph_comm.append((n.index, cm.op, cm.axis, payload, cm.backward))
     comm_reports: dict[tuple[str, str, str], CommReport] = {}
 
     def add_comm(op, axis, phase, payload, t, exposed):
@@ -355,7 +399,10 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     # --- data-parallel communication and its overlap ----------------------------------------
     trainable = [p for p in gc.params if p.requires_grad]
     grad_item = {p.name: (grad_dtype or p.dtype).itemsize for p in trainable}
-    local = {p.name: local_numel(p, plan.param_layouts, mesh, dp_axis) for p in trainable}  # after TP, before ZeRO
+    # after TP, before ZeRO
+    shapes = {p.name: tp_local_shape(p, plan.param_layouts, mesh, dp_axis) for p in gc.params if not p.is_buffer}
+    local = {name: math.prod(rows_of(sh)) for name, sh in shapes.items()}
+    padded = {name: padded_numel(sh, dp) for name, sh in shapes.items()}  # per rank, in ZeRO buffers
     # backward timeline: end time of each node's backward, walking in reverse
     bwd_end = [0.0] * (len(gc.nodes) + 1)
     t = 0.0
@@ -369,10 +416,12 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     if dp > 1 and trainable:
         al = links[dp_axis]
         if zero < 3:
-            buckets = _buckets(trainable, plan.bucket_mb, grad_item, local)
-            op = "all_reduce" if zero == 0 else "reduce_scatter"
+            buckets = _buckets(trainable, plan.bucket_mb, local)
+            op = "all_reduce" if zero < 2 else "reduce_scatter"
+            payloads = [float(sum((local[p.name] if zero < 2 else dp * padded[p.name]) * grad_item[p.name]
+                                  for p in members)) for members in buckets]
             free = 0.0
-            for members, payload in buckets:
+            for members, payload in zip(buckets, payloads):
                 ready = max(bwd_end[min(p.first_use, len(gc.nodes) - 1)] if p.first_use < len(gc.nodes)
                             else bwd_total for p in members)
                 d = al.time(op, payload, algorithm)
@@ -383,25 +432,27 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             bwd_exposed = max(0.0, free - bwd_total)
             if comm_reports.get((op, dp_axis, "backward")):
                 comm_reports[(op, dp_axis, "backward")].exposed_s = bwd_exposed
-            if zero == 0:
-                transient = sum(pl for _m, pl in buckets)  # flat bucket copies live until the step
-            else:
-                transient = max((pl for _m, pl in buckets), default=0.0)
-                for members, payload in _buckets(trainable, plan.bucket_mb, {p.name: p.dtype.itemsize
-                                                                            for p in trainable}, local):
-                    d = al.time("all_gather", payload / dp, algorithm)
+            # every bucket's flat buffer lives until backward finishes (GradReducer: the copy;
+            # ScatterReducer: the padded input and this rank's output)
+            transient = sum(payloads) * (1 + 1 / dp if zero == 2 else 1)
+            if zero >= 1:
+                for members in buckets:
+                    payload = float(sum(padded[p.name] * p.dtype.itemsize for p in members))
+                    d = al.time("all_gather", payload, algorithm)
                     comm_total += d
                     step_exposed += d
-                    add_comm("all_gather", dp_axis, "step", payload / dp, d, d)
+                    add_comm("all_gather", dp_axis, "step", payload, d, d)
         else:
-            fwd_exposed, bwd_exposed, ct, transient = _zero3(gc, trainable, fwd_t, bwd_t, al, algorithm, dp,
-                                                               grad_item, local, add_comm, layer_comm)
+            fwd_exposed, bwd_exposed, ct, transient = _zero3(gc, fwd_t, bwd_t, al, algorithm, dp, grad_item,
+                                                               padded, add_comm, layer_comm)
             comm_total += ct
     comm_total += graph_comm_total
     comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total
 
     # --- optimizer step (memory bound: read and write every state, read params and grads) ---
-    opt_bytes = 2 * (states.master + states.optimizer) + states.params / (dp if zero == 3 else 1) + states.grads
+    # the update touches this rank's rows of the parameters from stage 1 on (states.params is
+    # already the rows at stage 3)
+    opt_bytes = 2 * (states.master + states.optimizer) + states.params / (dp if zero in (1, 2) else 1) + states.grads
     optimizer_s = opt_bytes / (hw.device.memory_bandwidth * hw.eff("memory")) if trainable else 0.0
 
     n_micro = plan.n_microbatches
@@ -417,11 +468,6 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
                     storage_divisor=mem_div)
     persistent = states.params + states.master + states.optimizer + states.buffers
-    if zero == 3:
-        per_layer = {}
-        for p in trainable:
-            per_layer[p.layer] = per_layer.get(p.layer, 0) + p.nbytes
-        transient = 2 * max(per_layer.values(), default=0)
     end_of_bwd = persistent + states.grads + transient + live.inputs
     adam_tmp = (states.optimizer - (4 * len(trainable) if opt.step_tensor else 0)) / max(opt.states, 1) \
         if opt.states else 0
@@ -491,72 +537,132 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     )  # fmt: skip
 
 
-def _buckets(params, bucket_mb: float, item: Mapping[str, int], local: Mapping[str, int]):
-    """Gradient buckets as runtime.zero.GradReducer forms them: reverse registration order,
-    a new bucket when the next gradient would pass bucket_mb or changes dtype."""
-    cap = int(bucket_mb * 2**20)
-    out, cur, size, dt = [], [], 0, None
+def _buckets(params: list[ParamInfo], bucket_mb: float, local: Mapping[str, int]) -> list[list[ParamInfo]]:
+    """Gradient buckets as runtime.zero_shard.make_buckets forms them: reverse registration
+    order; the first bucket holds at most min(FIRST_BUCKET_MB, bucket_mb), later ones
+    bucket_mb (sizes in the parameters' own bytes); a new bucket at a dtype change."""
+    cap = int(min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
+    out: list[list[ParamInfo]] = []
+    cur: list[ParamInfo] = []
+    size = 0
     for p in reversed(params):
-        nb = local[p.name] * item[p.name]
-        if cur and (size + nb > cap or p.dtype != dt):
-            out.append((cur, float(size)))
+        nb = local[p.name] * p.dtype.itemsize
+        if cur and (size + nb > cap or p.dtype != cur[0].dtype):
+            out.append(cur)
             cur, size = [], 0
+            cap = int(bucket_mb * 2**20)
         cur.append(p)
         size += nb
-        dt = p.dtype
     if cur:
-        out.append((cur, float(size)))
+        out.append(cur)
     return out
 
 
-def _zero3(gc: GraphCost, trainable, fwd_t, bwd_t, al, algorithm, dp, grad_item, local, add_comm, layer_comm):
-    """ZeRO-3 per layer: all-gather before forward (prefetched one layer ahead), all-gather
-    before backward, reduce-scatter after it. Returns (fwd exposed, bwd exposed, comm time,
-    transient bytes)."""
-    order: list[str] = []
-    start_idx: dict[str, int] = {}
+def zero3_units(names: list[str]) -> dict[str, str]:
+    """Parameter name -> the ZeRO-3 unit (module-path prefix, "" for the root) that
+    `runtime.zero_stage3.default_units` gives it, read from the names: one unit per top-level
+    child, split per element when the child's children are all numbered (ModuleList-like);
+    parameters of the root module itself form the root unit."""
+    kids: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        if len(parts) > 2:
+            kids.setdefault(parts[0], []).append(parts[1])
+        elif len(parts) == 2:
+            kids.setdefault(parts[0], []).append("")  # a parameter of the child itself
+    out = {}
+    for n in names:
+        parts = n.split(".")
+        if len(parts) == 1:
+            out[n] = ""
+        elif len(parts) > 2 and all(k.isdigit() for k in kids[parts[0]]):
+            out[n] = f"{parts[0]}.{parts[1]}"
+        else:
+            out[n] = parts[0]
+    return out
+
+
+def _zero3(gc: GraphCost, fwd_t, bwd_t, al, algorithm, dp, grad_item, padded, add_comm, layer_comm):
+    """ZeRO-3 (see the module docstring): gather events in forward order, each followed by its
+    segment of nodes; backward walks the events in reverse, re-gathering before a segment whose
+    nodes saved parameters of its unit and reduce-scattering after it. Returns (fwd exposed,
+    bwd exposed, comm time, transient bytes)."""
+    n_nodes = len(gc.nodes)
+    params = [p for p in gc.params if not p.is_buffer]
+    unit = zero3_units([p.name for p in gc.params])
+    by_unit: dict[str, list[ParamInfo]] = {}
+    for p in params:
+        by_unit.setdefault(unit[p.name], []).append(p)
+    gather = {u: float(sum(padded[p.name] * p.dtype.itemsize for p in ps)) for u, ps in by_unit.items()}
+    trainable_units = {u for u, ps in by_unit.items() if any(p.requires_grad for p in ps)}
+    rs = {u: float(dp * sum(padded[p.name] for p in ps) * grad_item[next(p.name for p in ps if p.requires_grad)])
+          for u, ps in by_unit.items() if u in trainable_units}
+
+    # gather events: (first node of the segment, unit), a new one whenever the unit changes
+    events: list[tuple[int, str]] = []
+    for p in sorted((p for p in params if p.first_use < n_nodes), key=lambda p: p.first_use):
+        if not events or events[-1][1] != unit[p.name]:
+            events.append((p.first_use, unit[p.name]))
+    bounds = [e[0] for e in events] + [n_nodes]
+    seg_fwd = [sum(fwd_t[i] for i in range(bounds[k], bounds[k + 1])) for k in range(len(events))]
+    seg_bwd = [sum(bwd_t[i] for i in range(bounds[k], bounds[k + 1])) for k in range(len(events))]
+    pre_fwd = sum(fwd_t[i] for i in range(bounds[0])) if events else sum(fwd_t)
+    pre_bwd = sum(bwd_t[i] for i in range(bounds[0])) if events else sum(bwd_t)
+    # which events' gathered tensors autograd saved: a node saving a parameter saves the
+    # tensor of the latest gather of its unit at or before that node
+    key_of = {p.key: p for p in params if p.key is not None}
+    starts_of: dict[str, list[tuple[int, int]]] = {}  # unit -> [(first node, event index)] in order
+    for k, (start, u) in enumerate(events):
+        starts_of.setdefault(u, []).append((start, k))
+    saved_in = [False] * len(events)
     for n in gc.nodes:
-        if n.layer not in start_idx:
-            start_idx[n.layer] = n.index
-            order.append(n.layer)
-    by_layer: dict[str, list] = {}
-    for p in trainable:
-        by_layer.setdefault(p.layer if p.layer in start_idx else order[0], []).append(p)
-    layer_fwd = {ly: 0.0 for ly in order}
-    layer_bwd = {ly: 0.0 for ly in order}
-    for n in gc.nodes:
-        layer_fwd[n.layer] += fwd_t[n.index]
-        layer_bwd[n.layer] += bwd_t[n.index]
-    gather = {ly: sum(local[p.name] * p.dtype.itemsize for p in by_layer.get(ly, [])) for ly in order}
-    rs = {ly: sum(local[p.name] * grad_item[p.name] for p in by_layer.get(ly, [])) for ly in order}
+        if not n.has_grad_fn:
+            continue
+        for key, _nb, _tag in n.saved:
+            p = key_of.get(key)
+            if p is None or unit[p.name] not in starts_of:
+                continue
+            seq = starts_of[unit[p.name]]
+            j = bisect.bisect_right(seq, (n.index, len(events))) - 1
+            if j >= 0:
+                saved_in[seq[j][1]] = True
+    layer_of = [gc.nodes[start].layer for start, _u in events]
     total = 0.0
 
-    def run(seq, compute, comm_before, comm_after, phase):
+    def gather_at(k: int, free: float, issue: float, phase: str) -> float:
         nonlocal total
-        t = free = 0.0
-        prev_start = 0.0
-        for ly in seq:
-            g = comm_before[ly]
-            d = al.time("all_gather", g / dp, algorithm) if g else 0.0
-            if g:
-                start = max(free, prev_start)  # prefetch: issued once the previous layer started
-                free = start + d
-                total += d
-                add_comm("all_gather", al.axis, phase, g / dp, d, 0.0)
-                layer_comm[ly] = layer_comm.get(ly, 0.0) + d
-                t = max(t, free)
-            prev_start = t
-            t += compute[ly]
-            if comm_after is not None and comm_after[ly]:
-                d2 = al.time("reduce_scatter", comm_after[ly], algorithm)
-                start = max(free, t)
-                free = start + d2
-                total += d2
-                add_comm("reduce_scatter", al.axis, phase, comm_after[ly], d2, 0.0)
-                layer_comm[ly] = layer_comm.get(ly, 0.0) + d2
-        end = max(t, free)
-        return end - sum(compute[ly] for ly in seq)
+        u = events[k][1]
+        d = al.time("all_gather", gather[u], algorithm)
+        total += d
+        add_comm("all_gather", al.axis, phase, gather[u], d, 0.0)
+        layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
+        return max(free, issue) + d
 
-    fwd_exp = run(order, layer_fwd, gather, None, "forward")
-    bwd_exp = run(list(reversed(order)), layer_bwd, gather, rs, "backward")
-    return fwd_exp, bwd_exp, total, 0.0
+    # forward: gather k is issued once segment k-1 started (prefetch), segment k waits for it
+    t = pre_fwd
+    free = prev_start = 0.0
+    for k in range(len(events)):
+        free = gather_at(k, free, prev_start, "forward")
+        t = max(t, free)
+        prev_start = t
+        t += seg_fwd[k]
+    fwd_exp = t - pre_fwd - sum(seg_fwd)
+    # backward, in reverse: re-gather before a segment that needs it, reduce-scatter after
+    t = free = prev_start = 0.0
+    for k in reversed(range(len(events))):
+        if saved_in[k]:
+            free = gather_at(k, free, prev_start, "backward")
+            t = max(t, free)
+        prev_start = t
+        t += seg_bwd[k]
+        u = events[k][1]
+        if u in trainable_units:
+            d = al.time("reduce_scatter", rs[u], algorithm)
+            free = max(free, t) + d
+            total += d
+            add_comm("reduce_scatter", al.axis, "backward", rs[u], d, 0.0)
+            layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
+    t += pre_bwd
+    bwd_exp = max(t, free) - pre_bwd - sum(seg_bwd)
+    transient = 2 * dp * max(gather.values(), default=0.0)  # the gathered unit and the prefetched one
+    return fwd_exp, bwd_exp, total, transient

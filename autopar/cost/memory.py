@@ -2,13 +2,18 @@
 
 Model states (`model_states`), per rank, for each parameter (numel n after its layout in
 `Plan.param_layouts`: a Shard over an axis of size k keeps n/k), ZeRO sharding over dp ranks
-as `torch.chunk` of the flattened tensor (rank r keeps chunk r: ceil(n/dp) for the first ones):
-  params      n * param bytes              (stage 3: the rank's chunk)
-  grads       n * grad bytes, trainable    (stage >= 2: the chunk)
-  master      n * 4 when master weights are kept (16-bit params, fp32 master)   (stage >= 1: chunk)
-  optimizer   n * states * state bytes     (stage >= 1: chunk); states: sgd 0, sgd_momentum 1
+by dim-0 rows as `runtime.zero` shards them (torch.chunk of dim 0, as FSDP2): with R rows of
+`rest` elements each, rank r keeps rows [min(R, r*c), min(R, (r+1)*c)), c = ceil(R/dp), so the
+last ranks' pieces are short or empty; a 0-d parameter is one row. Shards are unpadded (the
+padding to c rows exists only in communication buffers: `padded_numel`).
+  params      n * param bytes              (stage 3: the rank's rows)
+  grads       n * grad bytes, trainable    (stage >= 2: the rows)
+  master      n * 4 when master weights are kept (16-bit params, fp32 master)   (stage >= 1: rows)
+  optimizer   n * states * state bytes     (stage >= 1: rows); states: sgd 0, sgd_momentum 1
               (momentum_buffer), adam/adamw 2 (exp_avg, exp_avg_sq; 3 with amsgrad), plus
-              torch's per-parameter `step` scalar (fp32, 4 bytes) for adam/adamw
+              torch's per-parameter `step` scalar (fp32, 4 bytes) for adam/adamw, on every
+              rank, also for empty rows (the engine hands the optimizer every master, and
+              torch.optim makes a `step` for each one that has a gradient)
   buffers     full size on every rank
 State dtype = the master dtype when master weights are kept, else the parameter's dtype
 (torch.optim keeps states like the parameter they update).
@@ -25,7 +30,8 @@ that backward has run). The graph outputs get dense gradients, as a cross-entrop
 Kernel workspaces and the insides of composite ops are not modelled.
 
 It reads no `node.meta`. Guarantees: `model_states` is exact for the tensors torch.optim
-creates (tests compare with state dicts after a step); the walk's forward end equals
+creates (tests compare with state dicts after a step, and with the ZeRO engine's
+`memory_bytes()` per rank in a gloo world); the walk's forward end equals
 inputs + outputs + saved bytes.
 """
 from __future__ import annotations
@@ -106,13 +112,33 @@ class StateBytes:
                 "optimizer": self.optimizer, "buffers": self.buffers, "total": self.total}
 
 
-def chunk_numel(n: int, parts: int, index: int) -> int:
-    """Elements of chunk `index` when n elements are split like torch.chunk into `parts`."""
+def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, elements per row) of a parameter: dim 0 and the product of the rest; a 0-d
+    tensor is one row of one element."""
+    if not shape:
+        return 1, 1
+    rest = 1
+    for d in shape[1:]:
+        rest *= int(d)
+    return int(shape[0]), rest
+
+
+def row_shard_numel(shape: tuple[int, ...], parts: int, index: int) -> int:
+    """Elements rank `index` of `parts` keeps of a tensor of `shape` sharded by dim-0 rows
+    (torch.chunk convention: ceil(rows/parts) rows per rank, the tail short or empty)."""
+    rows, rest = rows_of(shape)
     if parts <= 1:
-        return n
-    size = -(-n // parts)
-    start = min(size * index, n)
-    return max(0, min(n, start + size) - start)
+        return rows * rest
+    c = -(-rows // parts)
+    start = min(rows, c * index)
+    return (min(rows, start + c) - start) * rest
+
+
+def padded_numel(shape: tuple[int, ...], parts: int) -> int:
+    """Elements one rank contributes for this tensor to a ZeRO communication buffer: its rows
+    padded to ceil(rows/parts) (runtime.zero_shard.FlatLayout)."""
+    rows, rest = rows_of(shape)
+    return -(-rows // max(parts, 1)) * rest
 
 
 def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stage: int = 0, dp: int = 1,
@@ -125,7 +151,8 @@ def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stag
         params: `GraphCost.params` (or ParamInfo built from a module with `params_of`).
         optimizer: name, torch.optim class or instance, or OptimizerSpec.
         zero_stage: 0-3; shards optimizer states (>=1), gradients (>=2), parameters (3) over dp.
-        dp: data-parallel ranks; rank: this rank's index among them (chunks are uneven at the end).
+        dp: data-parallel ranks; rank: this rank's index among them (dim-0 row pieces are
+            uneven at the end: the last ranks' are short or empty).
         master_dtype: keep master weights in this dtype when it differs from the parameter's
             (e.g. torch.float32 for bf16 training with fp32 master weights).
         grad_dtype: gradient dtype (default: the parameter's).
@@ -139,12 +166,14 @@ def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stag
     opt = OptimizerSpec.of(optimizer)
     out = StateBytes()
     for p in params:
-        numel = local_numel(p, param_layouts, mesh, dp_axis)
+        shape = tp_local_shape(p, param_layouts, mesh, dp_axis)
+        rows, rest = rows_of(shape)
+        numel = rows * rest
         item = p.dtype.itemsize
         if p.is_buffer:
             out.buffers += numel * item
             continue
-        shard = chunk_numel(numel, dp, rank)
+        shard = row_shard_numel(shape, dp, rank)
         row = {"params": (shard if zero_stage == 3 else numel) * item}
         if p.requires_grad:
             g_item = (grad_dtype or p.dtype).itemsize
@@ -153,26 +182,33 @@ def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stag
             master = master_dtype is not None and master_dtype != p.dtype
             row["master"] = n_opt * master_dtype.itemsize if master else 0
             s_item = master_dtype.itemsize if master else item
-            row["optimizer"] = n_opt * opt.states * s_item + (4 if (opt.step_tensor and n_opt > 0) else 0)
+            row["optimizer"] = n_opt * opt.states * s_item + (4 if opt.step_tensor else 0)
         for k, v in row.items():
             setattr(out, k, getattr(out, k) + v)
         out.per_param[p.name] = row
     return out
 
 
-def local_numel(p: ParamInfo, param_layouts: Mapping[str, Layout] | None, mesh: Mapping[str, int] | None,
-                dp_axis: str | None = "dp") -> int:
-    """Elements of `p` on one rank after its tensor-parallel layout (before ZeRO): a Shard over
-    an axis other than the dp axis divides that dim (torch.chunk sizes, rank 0's piece)."""
+def tp_local_shape(p: ParamInfo, param_layouts: Mapping[str, Layout] | None, mesh: Mapping[str, int] | None,
+                   dp_axis: str | None = "dp") -> tuple[int, ...]:
+    """Shape of `p` on one rank after its tensor-parallel layout (before ZeRO): a Shard over an
+    axis other than the dp axis divides that dim (torch.chunk sizes, rank 0's piece)."""
+    shape = tuple(int(d) for d in p.shape)
+    if not shape and p.numel != 1:  # a ParamInfo built without a shape: one row of numel
+        shape = (p.numel,)
     lay = (param_layouts or {}).get(p.name)
-    if lay is None or not mesh or not p.shape:
-        return p.numel
+    if lay is None or not mesh or not shape:
+        return shape
     tp = Layout(tuple((a, pl) for a, pl in lay.axes if a != dp_axis and a in mesh))
     coords = {a: 0 for a in mesh}
-    n = 1
-    for d in local_shape(p.shape, tp, mesh, coords):
-        n *= d
-    return n
+    return tuple(int(d) for d in local_shape(shape, tp, mesh, coords))
+
+
+def local_numel(p: ParamInfo, param_layouts: Mapping[str, Layout] | None, mesh: Mapping[str, int] | None,
+                dp_axis: str | None = "dp") -> int:
+    """Elements of `p` on one rank after its tensor-parallel layout (before ZeRO)."""
+    rows, rest = rows_of(tp_local_shape(p, param_layouts, mesh, dp_axis))
+    return rows * rest
 
 
 def params_of(module: torch.nn.Module) -> list[ParamInfo]:

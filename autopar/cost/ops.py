@@ -38,6 +38,11 @@ class CommOp:
     axis: str
     nbytes: Num
     backward: bool = False
+    # all_gather / reduce_scatter over an uneven dim: the runtime pads every piece to
+    # ceil(rows / n) rows, so the payload depends on the axis size n (comm.padded_payload);
+    # None: the payload is `nbytes`
+    rows: Num | None = None
+    row_bytes: Num | None = None
 
 
 @dataclass(frozen=True)
@@ -407,26 +412,69 @@ def _empty(c: Call) -> OpCost:
 
 
 # ------------------------------------------------------------------------ collectives (autopar graph ops)
-_COMM = {
-    "autopar.all_reduce": ("all_reduce", False), "autopar.grad_all_reduce": ("all_reduce", True),
-    "autopar.all_gather": ("all_gather", False), "autopar.reduce_scatter": ("reduce_scatter", False),
-    "autopar.all_to_all": ("all_to_all", False), "autopar.broadcast": ("broadcast", False),
-    "autopar.send": ("send_recv", False), "autopar.recv": ("send_recv", False),
-}  # fmt: skip
-# backward collectives of the forward ones (their autograd formulas): all-gather <-> reduce-scatter
-_COMM_BWD = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+# The runtime's graph ops (runtime/collectives.py) with the collective each issues forward and
+# the one its autograd formula issues backward, payloads as COUNTER records them (comm.py):
+#   all_reduce(x)                  fwd all_reduce x                ; bwd none (identity)
+#   grad_all_reduce(x)             fwd none                        ; bwd all_reduce of dx
+#   all_gather(x, dim, N)          fwd all_gather x padded to cpad ; bwd reduce_scatter of dout (N rows)
+#   all_gather_chunk_grad(x, dim, N) fwd the same                  ; bwd none (split: local)
+#   reduce_scatter(x, dim)         fwd reduce_scatter x (n * cpad) ; bwd all_gather of dout (cpad rows)
+#   split(x, dim)                  fwd none (local narrow)         ; bwd all_gather of dout (cpad rows)
+#   all_to_all(x) / all_to_all_v   fwd all_to_all x                ; bwd all_to_all of dout
+#   send(x) / recv(like)           send_recv of the tensor         ; bwd none (not differentiable)
+_COMM_OPS = ("autopar.all_reduce", "autopar.grad_all_reduce", "autopar.all_gather", "autopar.all_gather_chunk_grad",
+             "autopar.reduce_scatter", "autopar.split", "autopar.all_to_all", "autopar.all_to_all_v",
+             "autopar.broadcast", "autopar.send", "autopar.recv")
+
+
+def _rows_of(t: TensorMeta, dim: int) -> tuple[Num, Num]:
+    """(rows along dim, bytes per row) of a tensor."""
+    d = dim % t.dim
+    return t.shape[d], prod(t.shape[:d] + t.shape[d + 1:]) * t.itemsize
 
 
 def _comm(c: Call) -> OpCost:
-    op, bwd_only = _COMM[packet_name(c.name)]
+    name = packet_name(c.name)
+    op = name.split(".", 1)[1]
     x = c.ins[0] if c.ins else None
+    out = c.out
     axis = next((a for a in c.args[1:] if isinstance(a, str)), c.kwargs.get("axis", "?"))
     nbytes = x.nbytes if x is not None else 0
-    comms = [CommOp(op, axis, nbytes, backward=bwd_only)]
-    if not bwd_only and op in _COMM_BWD and c.any_rg:
-        comms.append(CommOp(_COMM_BWD[op], axis, c.out.nbytes if c.out else nbytes, backward=True))
-    return OpCost(bytes_read=c.in_bytes(), bytes_written=c.out_bytes(), kind="comm", dtype=_dt(c),
-                  comm=tuple(comms))
+    bwd = x is not None and c.any_rg
+    comms: list[CommOp] = []
+    if op in ("all_reduce", "broadcast"):
+        comms.append(CommOp(op, axis, nbytes))
+    elif op == "grad_all_reduce":
+        if bwd:
+            comms.append(CommOp("all_reduce", axis, nbytes, backward=True))
+    elif op in ("all_gather", "all_gather_chunk_grad"):
+        dim, full = c.arg(2, "dim", 0), c.arg(3, "full_size", -1)
+        _, rb = _rows_of(x, dim)
+        # even (full_size -1): every piece is whole, the payload is x itself
+        comms.append(CommOp("all_gather", axis, nbytes, rows=None if full < 0 else full, row_bytes=rb))
+        if bwd and op == "all_gather" and out is not None:
+            r, rb = _rows_of(out, dim)
+            comms.append(CommOp("reduce_scatter", axis, out.nbytes, backward=True, rows=r, row_bytes=rb))
+    elif op == "reduce_scatter":
+        r, rb = _rows_of(x, c.arg(2, "dim", 0))
+        comms.append(CommOp("reduce_scatter", axis, nbytes, rows=r, row_bytes=rb))
+        if bwd:
+            comms.append(CommOp("all_gather", axis, out.nbytes if out is not None else nbytes, backward=True,
+                                rows=r, row_bytes=rb))
+    elif op == "split":
+        if bwd:
+            r, rb = _rows_of(x, c.arg(2, "dim", 0))
+            comms.append(CommOp("all_gather", axis, out.nbytes if out is not None else nbytes, backward=True,
+                                rows=r, row_bytes=rb))
+    elif op in ("all_to_all", "all_to_all_v"):
+        comms.append(CommOp("all_to_all", axis, nbytes))
+        if bwd:
+            comms.append(CommOp("all_to_all", axis, out.nbytes if out is not None else nbytes, backward=True))
+    elif op in ("send", "recv"):
+        comms.append(CommOp("send_recv", axis, nbytes))
+    moved = c.out_bytes() if op == "split" else c.in_bytes()
+    return OpCost(bytes_read=moved, bytes_written=c.out_bytes(), kind="vector" if op == "split" else "comm",
+                  dtype=_dt(c), comm=tuple(comms))
 
 
-register(*_COMM)(_comm)
+register(*_COMM_OPS)(_comm)

@@ -433,6 +433,7 @@ def _loss(c: Call, k) -> list[Item]:
 
 
 # ------------------------------------------------------------------------ collectives: nothing saved
-for _n in ("autopar.all_reduce", "autopar.grad_all_reduce", "autopar.all_gather", "autopar.reduce_scatter",
-           "autopar.all_to_all", "autopar.broadcast", "autopar.send", "autopar.recv"):
+for _n in ("autopar.all_reduce", "autopar.grad_all_reduce", "autopar.all_gather", "autopar.all_gather_chunk_grad",
+           "autopar.reduce_scatter", "autopar.split", "autopar.all_to_all", "autopar.all_to_all_v",
+           "autopar.broadcast", "autopar.send", "autopar.recv"):
     SAVES_NOTHING.add(_n)

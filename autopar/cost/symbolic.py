@@ -141,7 +141,7 @@ def evaluate(x: Num, values: Mapping[sympy.Symbol, int]) -> float:
 
 @lru_cache(maxsize=65536)
 def _evaluate(x: sympy.Expr, values: tuple[tuple[str, int], ...]) -> float:
-    sub = {s: v for s in x.free_symbols for (k, v) in values if str(s) == k}
+    sub = {s: sympy.Integer(v) for s in x.free_symbols for (k, v) in values if str(s) == k}
     missing = [str(s) for s in x.free_symbols if s not in sub]
     if missing:
         raise ValueError(f"no value for size symbol(s) {missing}; pass them in sizes=")

@@ -119,3 +119,22 @@ def test_auto_picks_the_faster_algorithm_per_call_and_reports_its_bytes():
     assert dp.time("all_reduce", 1 << 20, "auto") < dp.time("all_reduce", 1 << 20, "ring")
     assert dp.bytes_sent("all_reduce", 1 << 20, "auto") == bytes_sent("all_reduce", 1 << 20, 512, "tree")
     assert dp.algorithm("reduce_scatter", 1 << 20) == "ring"  # the only one it has
+
+
+def test_payloads_pad_uneven_pieces_to_the_largest_one_as_the_runtime_does():
+    # 5 rows over 2 ranks: pieces of 3 and 2 rows, both sent as 3 (tests/dist/test_cost_counter.py
+    # checks these against runtime.collectives.COUNTER)
+    from autopar.cost.comm import padded_payload, payload_bytes
+
+    row = 4 * 4  # 4 fp32 columns
+    assert payload_bytes("all_gather", (2, 4), 4, 2, dim=0, full_size=5) == 3 * row
+    assert payload_bytes("all_gather", (3, 4), 4, 2, dim=0, full_size=5) == 3 * row
+    assert payload_bytes("all_gather", (3, 4), 4, 2, dim=0) == 3 * row  # even: the piece itself
+    assert payload_bytes("reduce_scatter", (5, 4), 4, 2, dim=0) == 6 * row
+    assert payload_bytes("reduce_scatter", (4, 5), 4, 2, dim=-1) == 6 * row
+    assert payload_bytes("all_reduce", (5, 4), 4, 2) == payload_bytes("all_to_all", (5, 4), 4, 2) == 5 * row
+    assert padded_payload("reduce_scatter", 5, row, 4) == 8 * row and padded_payload("all_gather", 5, row, 4) == 2 * row
+    with pytest.raises(ValueError, match="all_gather and reduce_scatter"):
+        padded_payload("all_reduce", 5, row, 2)
+    with pytest.raises(ValueError, match="known"):
+        payload_bytes("gather", (5,), 4, 2)

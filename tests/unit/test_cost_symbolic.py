@@ -76,3 +76,23 @@ def test_autopar_capture_graphs_are_costed_symbolically_in_the_batch():
         assert (gc.at(gc.flops, {"b": b}), gc.at(gc.bwd_flops, {"b": b})) == (fwd["Global"], bwd["Global"])
         torch.testing.assert_close(float(gc.at(gc.saved_bytes, {"b": b})), float(measure_saved_bytes(m2, a2)),
                                    rtol=0.05, atol=0)
+
+
+def test_a_graph_captured_at_the_global_batch_is_costed_per_rank_with_batch_is_global():
+    # autopar.parallelize captures the global batch; each dp rank runs b / (dp * micro-batches)
+    from autopar.capture import capture as autopar_capture
+    from autopar.passes.plan import Plan
+
+    model, args = build("gpt-tiny", batch=8)
+    gc = analyze(autopar_capture(model, args), "cpu-gloo")
+    plan = Plan(mesh={"dp": 2}, n_microbatches=2)
+    e = estimate(gc, plan, "cpu-gloo", batch_is_global=True)
+    assert e.sizes["b"] == 2 and e.summary()["sizes"]["b"] == 2
+    same = estimate(gc, plan, "cpu-gloo", sizes={"b": 2})
+    assert (e.fwd_flops, e.memory["peak"], e.step_s) == (same.fwd_flops, same.memory["peak"], same.step_s)
+    assert estimate(gc, plan, "cpu-gloo").sizes["b"] == 8  # without it: the captured (global) batch
+    with pytest.raises(ValueError, match="divide"):
+        estimate(gc, Plan(mesh={"dp": 3}), "cpu-gloo", batch_is_global=True)
+    static = analyze(capture(model, args), "cpu-gloo")
+    with pytest.raises(ValueError, match="static"):
+        estimate(static, plan, "cpu-gloo", batch_is_global=True)

@@ -1,0 +1,256 @@
+"""Pipeline parallelism end to end: choose the stages, cut the graph, build the program.
+
+`build_pipeline(global_gm, local_gm, plan, mesh)` is what `autopar.parallelize` calls when
+the mesh has a pp axis larger than one:
+
+  1. the schedule: `plan.schedule` (default "1f1b"), with its stages per rank (2 for "zbv";
+     for "interleaved_1f1b" `plan.extra["pp_virtual"]`, default 2, or what complete split
+     points imply);
+  2. the split: `autopar.search.stages.search_stages` on the captured global graph, costed
+     per micro-batch on the plan's hardware, with `plan.split_points` as pins (all of them:
+     the user's split is only evaluated, not checked against memory). It fills
+     `plan.split_points`, a note, and `plan.extra["pipeline"]` (stage times, memory per
+     rank, simulated step time and bubble: what the Gantt chart is drawn from);
+  3. the cut: the `split_pipeline` pass on this rank's graph, through a PassManager (timed,
+     verified, dumped with `AUTOPAR_DUMP`);
+  4. the program: `runtime.pipeline_program.PipelineProgram` over this rank's stages, one
+     ZeRO engine per stage, tied weights from the cut.
+
+Stage graphs of other ranks are returned for dumps with their parameters on the meta
+device, so they hold no memory. `write_schedule_svg(plan, out_dir)` draws the schedule of a
+plan (Gantt chart per rank, `autopar.gantt`) and writes its text grid next to it;
+`write_stage_graphs` writes every stage's code.
+
+Reads and writes node.meta only through the passes it runs; writes plan.split_points,
+plan.schedule (when unset), plan.notes and plan.extra["pipeline"].
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.gantt import write_gantt_svg
+from autopar.passes.dump import write_graph
+from autopar.passes.pass_manager import PassContext, PassManager, PassRecord
+from autopar.passes.plan import Plan
+from autopar.passes.split_pipeline import PipelineInfo, split_pipeline
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.pipeline_program import PipelineProgram
+from autopar.runtime.schedules import SCHEDULES, make_schedule, simulate
+
+__all__ = ["build_pipeline", "pipeline_shape", "write_schedule_svg", "write_stage_graphs"]
+
+PP_AXIS = "pp"
+
+
+def pipeline_shape(plan: Plan) -> tuple[str, int, int]:
+    """(schedule name, pp ranks, stages per rank) of a plan; ValueError when they disagree."""
+    pp = plan.mesh.get(PP_AXIS, 1)
+    name = (plan.schedule or "1f1b").lower().replace("-", "_")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {plan.schedule!r}; choose one of {sorted(SCHEDULES)}")
+    given = len(plan.split_points) + 1 if plan.split_points else None
+    if name == "zbv":
+        v = 2
+    elif name == "interleaved_1f1b":
+        v = int(plan.extra.get("pp_virtual", 0) or 0)
+        if not v:
+            v = given // pp if given and given % pp == 0 and given // pp > 1 else 2
+    else:
+        v = 1
+    if given is not None and given > pp * v:
+        raise ValueError(f"{len(plan.split_points)} split points make {given} stages, but schedule {name!r} on "
+                         f"pp={pp} runs {pp * v} ({v} per rank); give at most {pp * v - 1} split points")
+    return name, pp, v
+
+
+def _hardware(plan: Plan, mesh: Mesh, hardware: Any) -> Any:
+    if hardware is not None:
+        return hardware
+    if plan.extra.get("hardware"):
+        return plan.extra["hardware"]
+    return "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
+
+
+def _global_rows(gc, gm: fx.GraphModule) -> int | None:
+    for k, v in gc.values().items():
+        if str(k) == "b":
+            return int(v)
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], int):
+            return int(val.shape[0])
+    return None
+
+
+def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware: Any = None,
+                  memory_limit: float | None = None):
+    """Run the stage search for `plan` (pins = plan.split_points) and record the result in it."""
+    from autopar.cost import analyze
+    from autopar.search.stages import count_chain, layer_costs, search_stages
+
+    name, pp, v = pipeline_shape(plan)
+    S = pp * v
+    hw = _hardware(plan, mesh, hardware)
+    complete = len(plan.split_points) == S - 1
+    try:
+        gc = analyze(global_gm, hw)
+        rows = _global_rows(gc, global_gm)
+        per = plan.dp * plan.n_microbatches
+        micro = rows // per if rows and rows % per == 0 else None
+        chain = layer_costs(global_gm, hw, gc=gc, microbatch=micro, zero_stage=plan.zero_stage, dp=plan.dp)
+    except Exception as e:  # noqa: BLE001 - a graph the cost model cannot cost still gets a split; it is reported
+        chain = count_chain(global_gm)
+        memory_limit = math.inf if memory_limit is None else memory_limit
+        plan.notes.append(f"the cost model could not cost this graph ({type(e).__name__}: {str(e)[:160]}); "
+                          "pipeline stages balanced by node count, memory not checked")
+    res = search_stages(chain, pp, n_virtual=v, schedule=name, n_microbatches=plan.n_microbatches,
+                        memory_limit=math.inf if complete and memory_limit is None else memory_limit,
+                        hardware=hw, mesh=plan.mesh, pins=list(plan.split_points))
+    if not complete:
+        plan.split_points = list(res.split_points)
+        plan.notes.extend(res.notes)
+    else:
+        plan.notes.append(f"pipeline split points pinned: {list(plan.split_points)}; predicted bottleneck "
+                          f"{res.bottleneck_s * 1e3:.3g} ms per micro-batch, simulated step {res.step_s * 1e3:.3g} ms")
+    plan.extra["pipeline"] = {
+        "schedule": name, "n_ranks": pp, "n_virtual": v, "n_microbatches": plan.n_microbatches,
+        "stage_units": res.stage_units, "stage_fwd_s": res.stage_fwd_s, "stage_bwd_s": res.stage_bwd_s,
+        "p2p_s": res.p2p_s, "stage_time_s": res.stage_time_s, "rank_memory_bytes": res.rank_memory,
+        "memory_limit_bytes": res.memory_limit if math.isfinite(res.memory_limit) else None,
+        "step_s": res.step_s, "bubble": res.bubble, "hardware": res.hardware, "search_s": round(res.seconds, 3),
+    }  # fmt: skip
+    return res
+
+
+def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *,
+                   sync_init: bool = True, hardware: Any = None, memory_limit: float | None = None,
+                   dump_dir: str | None = None, engine_options: dict | None = None
+                   ) -> tuple[PipelineProgram, list[fx.GraphModule], list[PassRecord]]:
+    """The pipeline program of this rank (see the module docstring).
+
+    Args:
+        global_gm: the captured graph at the global batch (what the search costs).
+        local_gm: this rank's graph after the data-parallel passes (what is cut).
+        plan: the Plan; its mesh has a pp axis. Updated in place (split points, notes, extra).
+        mesh: the running Mesh.
+        sync_init: broadcast every stage from dp index 0.
+        hardware, memory_limit: for the search (default: the plan's `extra["hardware"]`, else
+            "cpu-gloo" on CPU meshes and "h100-sxm" otherwise; 90 % of its device memory).
+        dump_dir: dump directory for the split pass (also `AUTOPAR_DUMP`).
+
+    Returns:
+        (program, stage_graphs, records): stage_graphs has every stage (other ranks' on meta),
+        records the split pass's PassRecord.
+    """
+    name, pp, v = pipeline_shape(plan)
+    if pp < 2:
+        raise ValueError(f"build_pipeline needs a mesh with a pp axis of size >= 2, got {plan.mesh}")
+    if mesh.size(PP_AXIS) != pp:
+        raise ValueError(f"the plan's pp={pp} differs from the mesh's {mesh}")
+    if plan.schedule is None:
+        plan.schedule = "1f1b"
+        plan.notes.append("pipeline schedule 1f1b (default; pin `schedule` for gpipe, interleaved_1f1b, zb_h1, zbv)")
+    if plan.n_microbatches < pp:
+        plan.notes.append(f"only {plan.n_microbatches} micro-batches for {pp} pipeline ranks: most of the step is "
+                          f"bubble; use n_microbatches >= {pp}")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _choose_on_rank0(global_gm, plan, mesh, hardware, memory_limit)
+    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
+    pm = PassManager([split_pipeline], dump_dir=dump_dir)
+    pipe = pm.run(local_gm, ctx, tag=f"rank{rank}_pipeline")
+    info: PipelineInfo = pipe.meta["autopar_pipeline"]
+    S = info.n_stages
+    stage_graphs = [getattr(pipe, f"stage{s}") for s in range(S)]
+    placement = make_schedule(name, pp, pp, v if v > 1 else None)
+    mine = placement.stages_of(mesh.coords(rank)[PP_AXIS])
+    for s in range(S):
+        if s not in mine:
+            _to_meta(stage_graphs[s])
+    program = PipelineProgram({s: stage_graphs[s] for s in mine}, mesh, n_stages=S, schedule=name,
+                              n_microbatches=plan.n_microbatches, pp_axis=PP_AXIS, dp_axis=plan.dp_axis,
+                              zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb, tied=info.tied,
+                              in_spec=global_gm.meta.get("autopar_in_spec"),
+                              out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
+                              engine_options=engine_options)
+    program.info = info
+    if info.tied:
+        plan.notes.append("tied weights across stages (one value, gradients summed): "
+                          + ", ".join(f"{a[1]}@stage{a[0]} = {b[1]}@stage{b[0]}" for a, b in info.tied))
+    return program, stage_graphs, list(pm.records)
+
+
+def _choose_on_rank0(global_gm, plan: Plan, mesh: Mesh, hardware, memory_limit) -> None:
+    """Rank 0 searches and every rank takes its answer, so all ranks cut the same stages
+    (an error is raised on every rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        choose_stages(global_gm, plan, mesh, hardware=hardware, memory_limit=memory_limit)
+        return
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        n_notes = len(plan.notes)
+        try:
+            choose_stages(global_gm, plan, mesh, hardware=hardware, memory_limit=memory_limit)
+            box = [{"split_points": list(plan.split_points), "notes": plan.notes[n_notes:],
+                    "pipeline": plan.extra.get("pipeline")}]
+        except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
+            box = [{"error": str(e), "value_error": isinstance(e, ValueError), "type": type(e).__name__}]
+    dist.broadcast_object_list(box, src=0)
+    got = box[0]
+    if "error" in got:
+        if got["value_error"]:
+            raise ValueError(got["error"])
+        raise RuntimeError(f"the pipeline stage search failed on rank 0: {got['type']}: {got['error']}")
+    if dist.get_rank() != 0:
+        plan.split_points = got["split_points"]
+        plan.notes.extend(got["notes"])
+        plan.extra["pipeline"] = got["pipeline"]
+
+
+def _to_meta(gm: nn.Module) -> None:
+    """Replace a module's parameters and buffers by meta tensors (its code stays readable)."""
+    for mod in gm.modules():
+        for n, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, n, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        for n, b in list(mod.named_buffers(recurse=False)):
+            mod.register_buffer(n, torch.empty_like(b, device="meta"))
+
+
+def write_schedule_svg(plan: Plan, out_dir: str) -> list[str]:
+    """Draw the plan's pipeline schedule: `schedule.svg` (Gantt chart per rank, simulated with
+    the search's per-stage times, or F=1, B=2 without them) and `schedule.txt` (the action
+    grid). Returns the files written; none when the plan has no pipeline."""
+    if plan.mesh.get(PP_AXIS, 1) < 2:
+        return []
+    name, pp, v = pipeline_shape(plan)
+    sched = make_schedule(name, pp, plan.n_microbatches, v if v > 1 else None)
+    info = plan.extra.get("pipeline") or {}
+    f, b, p2p = info.get("stage_fwd_s"), info.get("stage_bwd_s"), info.get("p2p_s")
+    if f and len(f) == sched.n_stages and b and p2p is not None:
+        sim = simulate(sched, f=f, b=b, p2p=p2p)
+    else:
+        sim = simulate(sched, f=1.0, b=2.0)
+    os.makedirs(out_dir, exist_ok=True)
+    svg = write_gantt_svg(sim, os.path.join(out_dir, "schedule.svg"))
+    txt = os.path.join(out_dir, "schedule.txt")
+    with open(txt, "w", encoding="utf-8", newline="\n") as fh:
+        fh.write(sched.to_grid())
+    return [svg, txt]
+
+
+def write_stage_graphs(stage_graphs: list[fx.GraphModule], out_dir: str, plan: Plan | None = None) -> list[str]:
+    """Write every stage's code as `stage{s}.py` (annotated, deterministic; see passes.dump)."""
+    files = []
+    units = (plan.extra.get("pipeline") or {}).get("stage_units") if plan is not None else None
+    for s, g in enumerate(stage_graphs):
+        head = f"pipeline stage {s} of {len(stage_graphs)}"
+        if units and s < len(units):
+            head += f": units {units[s][0]} .. {units[s][-1]}" if len(units[s]) > 1 else f": unit {units[s][0]}"
+        files.append(write_graph(g, os.path.join(out_dir, f"stage{s}.py"), header=head))
+    return files

@@ -1,0 +1,578 @@
+"""Pipeline stage search: where to cut a model into stages, by dynamic programming.
+
+The graph is a chain of units (`passes.split_pipeline.pipeline_units`: `tok_emb`,
+`layers.0` ... `layers.79`, `norm`, `lm_head`; cuts fall only on these module edges). Each
+unit is costed once with `autopar.cost` (`analyze` + `estimate`, which cost identical layers
+once): forward and backward seconds per micro-batch, bytes saved for backward, the model
+states of the parameters it reads (parameters, gradients, fp32 masters and optimizer state
+under the plan's ZeRO stage and dp degree; a parameter read by two units, such as a tied
+embedding, is counted on every stage that reads it), and the bytes that cross each unit
+boundary (every tensor made before it and read after it).
+
+For S stages (pipeline ranks x virtual stages per rank) the search solves, exactly:
+
+    minimise   max over stages s of  T_s = F_s + B_s + p2p(in_s) + p2p(out_s)
+    subject to M_s = states_s + k_s * (saved_s + in_s) <= memory_limit / v     for every stage
+               every pinned unit starts a stage; every stage holds at least one unit
+
+where F/B are the stage's forward/backward seconds per micro-batch, p2p(x) the time of one
+point-to-point transfer of x bytes on the pp axis's link (0 between stages on one rank),
+k_s the most micro-batches whose activations stage s holds at once under the schedule
+(counted from its action lists: F adds one, B or W releases it), and v the stages per rank
+(with v > 1 each stage gets 1/v of the device: a sufficient condition for the rank's sum).
+A first DP over (stage, last unit) finds the optimal bottleneck T*; a second DP, among the
+splits whose stages all stay within T*, minimises the sum of T_s^2 (balance), both
+O(S L^2). The chosen split is then dry-run by `runtime.schedules.simulate` with the
+per-stage times for the predicted step time and bubble, and its exact per-rank memory is
+taken from the schedule's timeline. Not modelled: workspace and transient peaks inside a
+layer, recompute (`memory_limit` defaults to 90 % of the device for that headroom).
+
+Impossible requests raise ValueError with the numbers: more stages than units, pins that
+are not units or too many, and memory no split fits (with the smallest achievable
+per-stage peak).
+
+It reads node.meta["autopar"] (through passes.split_pipeline) and what `autopar.cost`
+reads; writes none. Deterministic: equal inputs give equal splits.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar.cost import GraphCost, analyze, estimate, evaluate, load_profile, model_states
+from autopar.cost.comm import axis_links, collective_time
+from autopar.passes.plan import Plan
+from autopar.passes.split_pipeline import Unit, brief_names, pipeline_units
+from autopar.runtime.schedules import Kind, Schedule, make_schedule, simulate
+
+__all__ = ["LayerCost", "Chain", "StageSearch", "layer_costs", "count_chain", "best_split", "in_flight_per_stage",
+           "search_stages", "n_virtual_for"]
+
+
+# ------------------------------------------------------------------------ per-unit costs
+@dataclass(frozen=True)
+class LayerCost:
+    """One unit of the chain, per micro-batch."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    act_bytes: float  # saved for backward
+    params: tuple[str, ...] = ()  # names of the parameters (and buffers) it reads
+
+
+@dataclass
+class Chain:
+    """The costed chain: units, state bytes per parameter, bytes across each boundary."""
+
+    layers: list[LayerCost]
+    state_bytes: dict[str, float]  # parameter or buffer name -> bytes on a rank that holds it
+    cross_bytes: list[float]  # entry i: bytes from units <= i to units > i (len(layers) - 1)
+    sizes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        if len(self.cross_bytes) != max(len(self.layers) - 1, 0):
+            raise ValueError(f"a chain of {len(self.layers)} units has {len(self.layers) - 1} boundaries, "
+                             f"got {len(self.cross_bytes)} cross_bytes")
+
+
+def layer_costs(gm: fx.GraphModule, hardware: Any = "h100-sxm", *, gc: GraphCost | None = None,
+                microbatch: int | None = None, optimizer: Any = "adamw", zero_stage: int = 0, dp: int = 1,
+                master_dtype: Any = "auto") -> Chain:
+    """Cost every pipeline unit of `gm` for one micro-batch.
+
+    Args:
+        gm: the captured graph (global shapes).
+        hardware: profile name or Hardware.
+        gc: its `analyze` result, when already computed.
+        microbatch: rows of one micro-batch (on one dp rank). With a dynamic batch dim the graph
+            is re-costed at b = microbatch; with a static one, times and activations scale by
+            microbatch / captured rows. None: as captured.
+        optimizer, zero_stage, dp, master_dtype: the model-state accounting (`model_states`).
+    """
+    t0 = time.perf_counter()
+    hw = load_profile(hardware)
+    gc = gc if gc is not None else analyze(gm, hw)
+    units = pipeline_units(gm)
+    unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
+    sizes: dict[str, int] = {}
+    scale = 1.0
+    symbols = {str(k) for k in gc.values()}
+    if microbatch is not None:
+        if "b" in symbols:
+            sizes["b"] = int(microbatch)
+        else:
+            rows = _captured_rows(gm)
+            if rows:
+                scale = microbatch / rows
+    est = estimate(gc, Plan(mesh={"dp": 1}), hw, sizes=sizes or None, optimizer=optimizer)
+    # cost layers -> units, by where their nodes went (the root's nodes join a neighbour)
+    votes: dict[str, dict[int, int]] = {}
+    for n in gc.nodes:
+        u = unit_of.get(n.name)
+        if u is not None:
+            d = votes.setdefault(n.layer, {})
+            d[u] = d.get(u, 0) + 1
+    fwd = [0.0] * len(units)
+    bwd = [0.0] * len(units)
+    act = [0.0] * len(units)
+    for rep in est.layers:
+        d = votes.get(rep.name)
+        u = max(sorted(d), key=d.__getitem__) if d else 0
+        fwd[u] += rep.fwd_s * scale
+        bwd[u] += rep.bwd_s * scale
+        act[u] += rep.saved_bytes * scale
+    # parameters each unit reads, directly or through input-free computation (a weight cast)
+    key_name = {p.key: p.name for p in gc.params if p.key is not None}
+    through: dict[Any, frozenset] = {}
+    reads: list[set[str]] = [set() for _ in units]
+    top = {n.name for n in gm.graph.nodes}
+    cur = 0
+    for n in gc.nodes:
+        got: set[str] = set()
+        for k in n.uses:
+            if k in key_name:
+                got.add(key_name[k])
+            got |= through.get(k, frozenset())
+        u = unit_of.get(n.name)
+        if u is None and n.name not in top:
+            u = cur  # a node inlined from a higher-order op: its caller's unit
+        if u is None:  # input-free: hand its parameters on to whoever reads its outputs
+            for k in n.new_storages:
+                through[k] = frozenset(got)
+            for t in n.outputs:
+                through[t.key] = frozenset(got)
+            continue
+        cur = u
+        reads[u] |= got
+    states = _state_bytes(gc, optimizer, zero_stage, dp, master_dtype)
+    cross = _cross_bytes(gm, gc, units, sizes, scale)
+    layers = [LayerCost(u.name, fwd[i], bwd[i], act[i], tuple(sorted(reads[i]))) for i, u in enumerate(units)]
+    return Chain(layers, states, cross, sizes, time.perf_counter() - t0)
+
+
+def count_chain(gm: fx.GraphModule) -> Chain:
+    """A chain costed without the cost model, for graphs it cannot cost: time = the unit's
+    compute nodes (forward 1, backward 2 each), state = 16 bytes per parameter element (fp32
+    parameter, gradient, two Adam moments), no activations or transfers. Balances node counts."""
+    units = pipeline_units(gm)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    layers = []
+    state: dict[str, float] = {}
+    for u in units:
+        reads: set[str] = set()
+        stack = [by_name[x] for x in u.nodes]
+        seen: set = set()
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a in seen or a.op == "placeholder" or a.name in u.nodes:
+                    continue
+                seen.add(a)
+                if a.op == "get_attr":
+                    t = gm.get_parameter(str(a.target)) if _is_param(gm, str(a.target)) else None
+                    if t is not None:
+                        reads.add(str(a.target))
+                        state[str(a.target)] = float(t.numel() * 16)
+                elif not _depends_on_input(a):
+                    stack.append(a)
+        work = sum(1 for x in u.nodes if by_name[x].op == "call_function")
+        layers.append(LayerCost(u.name, float(work), 2.0 * work, 0.0, tuple(sorted(reads))))
+    return Chain(layers, state, [0.0] * (len(units) - 1))
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _depends_on_input(n: fx.Node) -> bool:
+    seen, stack = set(), [n]
+    while stack:
+        m = stack.pop()
+        if m.op == "placeholder":
+            return True
+        for a in m.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return False
+
+
+def _captured_rows(gm: fx.GraphModule) -> int | None:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], int):
+            return int(v.shape[0])
+    return None
+
+
+def _state_bytes(gc: GraphCost, optimizer, zero_stage: int, dp: int, master_dtype) -> dict[str, float]:
+    if master_dtype == "auto":
+        half = {p.dtype for p in gc.params if p.requires_grad} & {torch.float16, torch.bfloat16}
+        master_dtype = torch.float32 if half else None
+    sb = model_states(gc.params, optimizer, zero_stage=zero_stage if dp > 1 else 0, dp=dp, rank=0,
+                      master_dtype=master_dtype)
+    out = {name: float(sum(row.values())) for name, row in sb.per_param.items()}
+    for p in gc.params:
+        if p.is_buffer:
+            out[p.name] = float(p.numel * p.dtype.itemsize)
+    return out
+
+
+def _cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dict, scale: float) -> list[float]:
+    """Bytes of the tensors that cross each unit boundary (made before it, read after it)."""
+    L = len(units)
+    unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
+    values = gc.values(sizes or None)
+    diff = [0.0] * (L + 1)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            p = -1
+        elif n.name in unit_of:
+            p = unit_of[n.name]
+        else:
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        last = p
+        for u in n.users:
+            last = max(last, L - 1 if u.op == "output" else unit_of.get(u.name, p))
+        lo = max(p, 0)
+        if last <= lo:
+            continue
+        numel = 1
+        for d in gc.symbols.shape(v.shape):
+            numel = numel * d
+        nbytes = float(evaluate(numel * v.dtype.itemsize, values)) * scale
+        diff[lo] += nbytes
+        diff[last] -= nbytes
+    out, run = [], 0.0
+    for i in range(L - 1):
+        run += diff[i]
+        out.append(run)
+    return out
+
+
+# ------------------------------------------------------------------------ schedules
+def n_virtual_for(schedule: str, n_stages: int | None = None, n_ranks: int | None = None) -> int:
+    """Stages per rank a schedule runs: 2 for zbv, n_stages / n_ranks (default 2) for
+    interleaved_1f1b, 1 otherwise."""
+    key = schedule.lower().replace("-", "_")
+    if key == "zbv":
+        return 2
+    if key == "interleaved_1f1b":
+        if n_stages is not None and n_ranks:
+            return max(1, n_stages // n_ranks)
+        return 2
+    return 1
+
+
+def in_flight_per_stage(schedule: Schedule) -> list[int]:
+    """Per stage: the most micro-batches whose activations it holds at once (F done, its B or
+    W not yet), following each rank's action order."""
+    peak = [0] * schedule.n_stages
+    for acts in schedule.actions:
+        held: dict[int, int] = {}
+        for a in acts:
+            if a.kind is Kind.F:
+                held[a.stage] = held.get(a.stage, 0) + 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind in (Kind.B, Kind.W):
+                held[a.stage] -= 1
+    return peak
+
+
+# ------------------------------------------------------------------------ the DP
+def best_split(n_units: int, n_stages: int, stage_time: Callable[[int, int, int], float],
+               stage_memory: Callable[[int, int, int], float] | None = None,
+               memory_limit: float | Sequence[float] | None = None, pins: Sequence[int] = ()
+               ) -> tuple[list[int], float]:
+    """Exact split of a chain of `n_units` into `n_stages` contiguous, non-empty stages.
+
+    `stage_time(s, i, j)` / `stage_memory(s, i, j)`: cost of units [i, j) as stage s.
+    Minimises the largest stage time, then (among splits within it) the sum of squared
+    stage times. Stages start at every unit index in `pins`.
+
+    Returns (starts, bottleneck): the first unit of every stage (starts[0] == 0).
+    Raises ValueError when no split satisfies the memory limit (the message names the
+    smallest achievable largest stage memory).
+    """
+    L, S = n_units, n_stages
+    if S < 1:
+        raise ValueError(f"need at least one stage, got {S}")
+    if S > L:
+        raise ValueError(f"{S} stages need at least {S} units to cut between, but the chain has {L}")
+    pinset = sorted(set(pins))
+    if any(not 0 < p < L for p in pinset):
+        raise ValueError(f"pinned stage starts {pinset} must lie in 1..{L - 1}")
+    if len(pinset) > S - 1:
+        raise ValueError(f"{len(pinset)} pinned split points need at least {len(pinset) + 1} stages, got {S}")
+    pin_prefix = [0] * (L + 1)
+    for i in range(L):
+        pin_prefix[i + 1] = pin_prefix[i] + (1 if i in pinset else 0)
+    limits = [math.inf] * S
+    if memory_limit is not None:
+        limits = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [float(memory_limit)] * S
+
+    def ok(s: int, i: int, j: int) -> bool:
+        if pin_prefix[j] - pin_prefix[i + 1] > 0:  # a pin strictly inside (i, j)
+            return False
+        return stage_memory is None or stage_memory(s, i, j) <= limits[s]
+
+    def solve(combine, score, bound: float | None):
+        INF = math.inf
+        best = [[INF] * (L + 1) for _ in range(S)]
+        arg = [[-1] * (L + 1) for _ in range(S)]
+        for s in range(S):
+            lo_j, hi_j = s + 1, L - (S - 1 - s)
+            for j in range(lo_j, hi_j + 1):
+                i_range = [0] if s == 0 else range(s, j)
+                for i in i_range:
+                    prev = 0.0 if s == 0 else best[s - 1][i]
+                    if prev == INF or not ok(s, i, j):
+                        continue
+                    t = stage_time(s, i, j)
+                    if bound is not None and t > bound:
+                        continue
+                    v = combine(prev, score(t))
+                    if v < best[s][j]:
+                        best[s][j], arg[s][j] = v, i
+        return best, arg
+
+    b1, _ = solve(max, lambda t: t, None)
+    opt = b1[S - 1][L]
+    if opt == math.inf:
+        raise ValueError(_memory_error(L, S, stage_memory, limits, ok_pins=lambda i, j: pin_prefix[j] - pin_prefix[i + 1] == 0))
+    bound = opt * (1 + 1e-12) + 1e-300
+    b2, arg = solve(lambda a, b: a + b, lambda t: t * t, bound)
+    starts = [0] * S
+    j = L
+    for s in range(S - 1, -1, -1):
+        i = arg[s][j]
+        starts[s] = i
+        j = i
+    return starts, opt
+
+
+def _memory_error(L, S, stage_memory, limits, ok_pins) -> str:
+    """The smallest achievable largest stage memory (a min-max DP on memory alone)."""
+    INF = math.inf
+    best = [[INF] * (L + 1) for _ in range(S)]
+    for s in range(S):
+        for j in range(s + 1, L - (S - 1 - s) + 1):
+            for i in ([0] if s == 0 else range(s, j)):
+                prev = 0.0 if s == 0 else best[s - 1][i]
+                if prev == INF or not ok_pins(i, j):
+                    continue
+                m = stage_memory(s, i, j) / limits[s] if stage_memory else 0.0
+                best[s][j] = min(best[s][j], max(prev, m))
+    ratio = best[S - 1][L]
+    lim = min(limits)
+    need = "no split at all (pins)" if ratio == INF else f"{_gib(ratio * lim)} on its fullest stage ({ratio:.3g}x)"
+    return (f"no split of {L} units into {S} stages fits the memory limit of {_gib(lim)} per stage: "
+            f"the best split needs {need}. Use more pipeline stages, "
+            "a higher ZeRO stage or dp degree, fewer micro-batches in flight (a schedule such as 1f1b instead "
+            "of gpipe), smaller micro-batches, or a larger memory_limit")
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.3g} GiB" if b >= 2**27 else f"{b / 2**20:.3g} MiB" if b >= 2**17 else f"{b:.0f} B"
+
+
+# ------------------------------------------------------------------------ the search
+@dataclass
+class StageSearch:
+    """The chosen split and what it predicts (times in seconds, memory in bytes)."""
+
+    split_points: list[str]
+    stage_units: list[list[str]]
+    stage_time_s: list[float]  # per stage, one micro-batch: forward + backward + transfers
+    stage_memory: list[float]  # per stage: states + in-flight activations
+    stage_fwd_s: list[float]  # per stage, one micro-batch
+    stage_bwd_s: list[float]
+    p2p_s: list[float]  # per boundary between stage s and s + 1: one transfer
+    rank_memory: list[float]  # per pp rank: exact peak over the schedule's timeline
+    bottleneck_s: float
+    step_s: float  # simulated makespan of one step
+    bubble: float
+    schedule: str
+    n_ranks: int
+    n_virtual: int
+    n_microbatches: int
+    memory_limit: float
+    in_flight: list[int]
+    hardware: str
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_units)
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("seconds")
+        d.pop("notes")
+        return d
+
+
+def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 1, schedule: str = "1f1b",
+                  n_microbatches: int = 1, memory_limit: float | None = None, hardware: Any = "h100-sxm",
+                  mesh: Mapping[str, int] | None = None, pins: Sequence[str] = (), microbatch: int | None = None,
+                  zero_stage: int = 0, dp: int = 1, optimizer: Any = "adamw", master_dtype: Any = "auto",
+                  gc: GraphCost | None = None) -> StageSearch:
+    """Choose the split points of `gm` for `n_ranks` pipeline ranks x `n_virtual` stages each.
+
+    Args:
+        gm: the captured graph, or a `Chain` from `layer_costs` (to search again without costing).
+        n_ranks: pipeline ranks (the mesh's pp size).
+        n_virtual: stages per rank (2 for zbv; interleaved_1f1b's v).
+        schedule: a `runtime.schedules` name ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv").
+        n_microbatches: micro-batches per step.
+        memory_limit: bytes per device (default: 90 % of the hardware's device memory).
+        hardware: profile name or Hardware (times, memory, the pp link).
+        mesh: the whole mesh ({"dp": 2, "pp": 4}) to decide whether pp neighbours share a node;
+            default {"pp": n_ranks}.
+        pins: unit names that must start a stage (a subset of the split points; the rest is searched).
+        microbatch, zero_stage, dp, optimizer, master_dtype: see `layer_costs`.
+    """
+    t0 = time.perf_counter()
+    hw = load_profile(hardware)
+    if n_ranks < 1 or n_virtual < 1:
+        raise ValueError(f"need n_ranks >= 1 and n_virtual >= 1, got {n_ranks}, {n_virtual}")
+    chain = gm if isinstance(gm, Chain) else layer_costs(gm, hw, gc=gc, microbatch=microbatch, optimizer=optimizer,
+                                                        zero_stage=zero_stage, dp=dp, master_dtype=master_dtype)
+    layers = chain.layers
+    L, S = len(layers), n_ranks * n_virtual
+    names = [x.name for x in layers]
+    if S > L:
+        raise ValueError(f"{S} pipeline stages ({n_ranks} ranks x {n_virtual} per rank) need at least {S} units "
+                         f"to cut between, but the model has {L}: {brief_names(names)}. Use fewer pipeline ranks or virtual "
+                         "stages, or a model with more layers")
+    index = {n: i for i, n in enumerate(names)}
+    bad = [p for p in pins if p not in index]
+    if bad:
+        raise ValueError(f"pinned split points {bad} are not pipeline units; a stage can start at one of: "
+                         f"{brief_names(names[1:])}")
+    if any(index[p] == 0 for p in pins):
+        raise ValueError(f"pinned split point {names[0]!r} is the first unit, where stage 0 starts anyway")
+    if len(set(pins)) > S - 1:
+        raise ValueError(f"{len(set(pins))} pinned split points {list(pins)} make at least {len(set(pins)) + 1} "
+                         f"stages, but the pipeline has {S} ({n_ranks} ranks x {n_virtual})")
+    sched = make_schedule(schedule, n_ranks, n_microbatches, n_virtual if n_virtual > 1 else None)
+    if sched.n_stages != S:
+        raise ValueError(f"schedule {schedule!r} runs {sched.n_stages} stages on {n_ranks} ranks, not {S}; "
+                         f"use n_virtual={sched.n_stages // n_ranks}")
+    s2r = sched.stage_to_rank
+    k = in_flight_per_stage(sched)
+    cap = float(hw.device.memory_bytes) * 0.9 if memory_limit is None else float(memory_limit)
+    per_stage_limit = cap / n_virtual
+
+    # the pp link
+    mesh = dict(mesh or {"pp": n_ranks})
+    world = math.prod(mesh.values())
+    if world > hw.world_size:
+        hw = hw.with_nodes(-(-world // hw.gpus_per_node))
+    link = axis_links(hw, mesh).get("pp") if "pp" in mesh else None
+
+    def p2p(nbytes: float) -> float:
+        if link is None or nbytes <= 0:
+            return 0.0
+        return collective_time("send_recv", nbytes, 2, link.link, "ring", link.efficiency)
+
+    # prefix sums; parameters read by several units are counted once per stage
+    pf = [0.0]
+    pa = [0.0]
+    for x in layers:
+        pf.append(pf[-1] + x.fwd_s + x.bwd_s)
+        pa.append(pa[-1] + x.act_bytes)
+    readers: dict[str, list[int]] = {}
+    for i, x in enumerate(layers):
+        for p in x.params:
+            readers.setdefault(p, []).append(i)
+    own = [0.0] * L
+    shared: list[tuple[float, list[int]]] = []  # (bytes, prefix count of its readers)
+    for p, us in readers.items():
+        b = chain.state_bytes.get(p, 0.0)
+        if len(us) == 1:
+            own[us[0]] += b
+        else:
+            cnt = [0] * (L + 1)
+            for i in range(L):
+                cnt[i + 1] = cnt[i] + (1 if i in us else 0)
+            shared.append((b, cnt))
+    po = [0.0]
+    for x in own:
+        po.append(po[-1] + x)
+    hop = [p2p(b) for b in chain.cross_bytes]
+
+    def comm(s: int, i: int, j: int) -> float:
+        c = 0.0
+        if s > 0 and s2r[s - 1] != s2r[s]:
+            c += hop[i - 1]
+        if s < S - 1 and s2r[s + 1] != s2r[s]:
+            c += hop[j - 1]
+        return c
+
+    def t_stage(s: int, i: int, j: int) -> float:
+        return pf[j] - pf[i] + comm(s, i, j)
+
+    def states(i: int, j: int) -> float:
+        return po[j] - po[i] + sum(b for b, cnt in shared if cnt[j] > cnt[i])
+
+    def m_stage(s: int, i: int, j: int) -> float:
+        inb = chain.cross_bytes[i - 1] if s > 0 else 0.0
+        return states(i, j) + k[s] * (pa[j] - pa[i] + inb)
+
+    starts, bottleneck = best_split(L, S, t_stage, m_stage, per_stage_limit, [index[p] for p in pins])
+    ends = starts[1:] + [L]
+    st_time = [t_stage(s, starts[s], ends[s]) for s in range(S)]
+    st_mem = [m_stage(s, starts[s], ends[s]) for s in range(S)]
+    fwd = [sum(x.fwd_s for x in layers[starts[s]:ends[s]]) for s in range(S)]
+    bwd = [sum(x.bwd_s for x in layers[starts[s]:ends[s]]) for s in range(S)]
+    p2p_s = [hop[starts[s + 1] - 1] for s in range(S - 1)]
+    sim = simulate(sched, f=fwd, b=bwd, p2p=p2p_s)
+    act = [(pa[ends[s]] - pa[starts[s]]) + (chain.cross_bytes[starts[s] - 1] if s else 0.0) for s in range(S)]
+    rank_mem = _rank_memory(sched, [states(starts[s], ends[s]) for s in range(S)], act)
+    notes = [f"pipeline split by DP over {L} units into {S} stages ({n_ranks} ranks x {n_virtual}): "
+             f"starts at {[names[i] for i in starts[1:]]}; bottleneck stage {max(range(S), key=st_time.__getitem__)} "
+             f"{bottleneck * 1e3:.3g} ms per micro-batch; {sched.name} with {n_microbatches} micro-batches "
+             f"simulated at {sim.makespan * 1e3:.3g} ms per step (bubble {sim.bubble_fraction:.0%})"
+             if sim.ok else "pipeline split chosen, but the schedule deadlocked in simulation"]
+    if pins:
+        notes.append(f"split points pinned by the user: {sorted(pins, key=index.__getitem__)}")
+    return StageSearch(
+        split_points=[names[i] for i in starts[1:]],
+        stage_units=[names[starts[s]:ends[s]] for s in range(S)],
+        stage_time_s=st_time, stage_memory=st_mem, stage_fwd_s=fwd, stage_bwd_s=bwd, p2p_s=p2p_s, rank_memory=rank_mem, bottleneck_s=bottleneck,
+        step_s=float(sim.makespan or 0.0), bubble=float(sim.bubble_fraction or 0.0), schedule=sched.name,
+        n_ranks=n_ranks, n_virtual=n_virtual, n_microbatches=n_microbatches, memory_limit=cap, in_flight=k,
+        hardware=hw.name, seconds=time.perf_counter() - t0, notes=notes,
+    )  # fmt: skip
+
+
+def _rank_memory(sched: Schedule, states: list[float], act: list[float]) -> list[float]:
+    """Per rank: its stages' states plus the largest sum of held activations along its actions."""
+    out = []
+    for r, acts in enumerate(sched.actions):
+        base = sum(states[s] for s in sched.stages_of(r))
+        held, best = 0.0, 0.0
+        for a in acts:
+            if a.kind is Kind.F:
+                held += act[a.stage]
+                best = max(best, held)
+            elif a.kind in (Kind.B, Kind.W):
+                held -= act[a.stage]
+        out.append(base + best)
+    return out
