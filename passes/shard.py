@@ -93,6 +93,8 @@ def _shard_axis(gm: fx.GraphModule, ctx: PassContext, axis: str, k: int, table: 
 
     def new_node(target, args, like: fx.Node, p: Placement) -> fx.Node:
         m = g.call_function(target, args)
+        if "val" in like.meta:  # the global value's fake tensor, as on every node (local shapes: NodeInfo)
+            m.meta["val"] = like.meta["val"]
         base = ir.info(like)
         ir.set_info(m, replace(base, kind="collective" if getattr(target, "namespace", "") == "autopar" else "op",
                                layout=base.layout, local_shape=base.local_shape))
