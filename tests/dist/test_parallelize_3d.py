@@ -46,7 +46,16 @@ def _run(rank, ws, mesh_kw):
         opt.step()
         opt.zero_grad()
     layouts = {k: {a: str(p) for a, p in lay.axes} for k, lay in pm.plan.param_layouts.items()}
-    return losses, pm.engine.gather_full_state_dict(), layouts, pm.mesh.coords(rank), pm.plan.split_points
+    files = []
+    if rank == 0:
+        import os
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            written = pm.dump(d)
+            files = sorted(os.path.basename(f) for f in written if os.path.getsize(f) > 0)
+            svg = open(os.path.join(d, "schedule.svg")).read()
+            assert svg.startswith("<svg") or "<svg" in svg[:200]
+    return losses, pm.engine.gather_full_state_dict(), layouts, pm.mesh.coords(rank), pm.plan.split_points, files
 
 
 def _check(results):
@@ -54,10 +63,13 @@ def _check(results):
     layouts = results[0][2]
     assert any(v.get("tp", "R") != "R" for v in layouts.values()), "the plan shards nothing on tp"
     assert results[0][4], "no pipeline split"
+    files = results[0][5]
+    for want in ("plan.json", "schedule.svg", "schedule.txt", "stage0.py", "stage1.py", "rank0_program.py"):
+        assert want in files, f"dump lacks {want}: {files}"
     for losses, *_ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=LOSS_ATOL)
     for name, ref in ref_params.items():
-        pieces = sorted((c.get("tp", 0), sd[name]) for _l, sd, _lay, c, _s in results
+        pieces = sorted((c.get("tp", 0), sd[name]) for _l, sd, _lay, c, _s, _f in results
                         if name in sd and c.get("dp", 0) == 0)
         assert pieces, f"no rank holds {name}"
         place = layouts.get(name, {}).get("tp", "R")
