@@ -23,6 +23,7 @@ from autopar.passes import ir
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
+from autopar.passes.recompute import recompute
 from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
 from autopar.passes.zero import zero
@@ -109,7 +110,8 @@ class ParallelModel(nn.Module):
 def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: Any, plan: Plan | None = None,
                 pins: dict | None = None, zero_stage: int | None = None, bucket_mb: float | None = None,
                 n_microbatches: int | None = None, leaf_modules: Iterable[str] = (),
-                dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None) -> ParallelModel:
+                dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None,
+                memory_budget: float | int | None = None) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -124,6 +126,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         hardware: the cost-model profile the search plans for ("h100-sxm", "cpu-gloo", a
             path ...); default: the profile of the mesh's device type. Planning for the
             target cluster while running on a CPU mesh is how plans are debugged.
+        memory_budget: per-rank activation peak budget for activation recomputation: a
+            fraction in [0, 1] (0 = every layer fully recomputed, 1 = no recomputation) or
+            bytes; decides `plan.recompute` unless that is pinned.
     """
     if mesh is None:
         mesh = make_mesh()
@@ -158,8 +163,24 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
     pm = PassManager([split_batch, shard, zero], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
-    _predict(plan, global_gm, local_gm, mesh)
+    if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
+        from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
+
+        _modes, rec = plan_recompute(local_gm, memory_budget, hardware or _hardware(mesh))
+        plan.recompute, plan.extra["recompute_save"] = rec.modes, rec.save
+        plan.notes.append(f"recompute for memory_budget={memory_budget!r}: "
+                          + (", ".join(f"{k} {v}" for k, v in rec.modes.items() if v != "none") or "nothing")
+                          + f"; peak {rec.predicted_peak / 2**20:.1f} MiB of {rec.budget_bytes / 2**20:.1f}, "
+                          f"recompute {rec.recompute_s * 1e3:.2f} ms, gap {rec.solver['gap']:.1%}")
+    _predict(plan, global_gm, local_gm, mesh)  # before recompute: analyze() sees regions as opaque calls
     records, stage_graphs = list(pm.records), []
+    if any(v != "none" for v in plan.recompute.values()):
+        if mesh.size("pp") > 1:
+            raise ValueError("activation recomputation with pipeline parallelism is not wired yet (the pass runs "
+                             "on one graph, not per stage); drop memory_budget / plan.recompute or use pp=1")
+        rpm = PassManager([recompute], dump_dir=dump_dir)
+        local_gm = rpm.run(local_gm, ctx, tag=f"rank{rank}_recompute")
+        records += rpm.records
     if mesh.size("pp") > 1:
         from autopar.pipeline_build import build_pipeline  # noqa: PLC0415
 

@@ -91,13 +91,17 @@ def _shard_axis(gm: fx.GraphModule, ctx: PassContext, axis: str, k: int, table: 
             local[p.dim] = local[p.dim] // k
         ir.update(n, layout=lay.replace(axis, p), local_shape=tuple(local))
 
-    def new_node(target, args, like: fx.Node, p: Placement) -> fx.Node:
+    def new_node(target, args, like: fx.Node, p: Placement, at: fx.Node) -> fx.Node:
+        """A conversion of `like`'s value, inserted for consumer `at` (whose module it joins)."""
         m = g.call_function(target, args)
         if "val" in like.meta:  # the global value's fake tensor, as on every node (local shapes: NodeInfo)
             m.meta["val"] = like.meta["val"]
+        if "nn_module_stack" in at.meta:
+            m.meta["nn_module_stack"] = at.meta["nn_module_stack"]
         base = ir.info(like)
         ir.set_info(m, replace(base, kind="collective" if getattr(target, "namespace", "") == "autopar" else "op",
-                               layout=base.layout, local_shape=base.local_shape))
+                               layout=base.layout, local_shape=base.local_shape, param=None,
+                               module=ir.info(at).module if ir.get_info(at) else base.module))
         if base.layout is not None:
             # recompute the local shape from the global one under the new placement
             lay = base.layout.replace(axis, p)
@@ -117,26 +121,26 @@ def _shard_axis(gm: fx.GraphModule, ctx: PassContext, axis: str, k: int, table: 
         with g.inserting_before(before):
             if src == dst:
                 if pg and isinstance(dst, Replicate):
-                    x = new_node(_op('grad_all_reduce'), (x, axis), a, R)
+                    x = new_node(_op('grad_all_reduce'), (x, axis), a, R, before)
             elif isinstance(dst, Replicate):
                 if isinstance(src, Shard):
                     op = _op('all_gather') if pg else _op('all_gather_chunk_grad')
-                    x = new_node(op, (x, axis, src.dim, -1), a, R)
+                    x = new_node(op, (x, axis, src.dim, -1), a, R, before)
                 elif isinstance(src, Partial):
-                    x = new_node(_op('all_reduce'), (x, axis, src.op), a, R)
+                    x = new_node(_op('all_reduce'), (x, axis, src.op), a, R, before)
                     if pg:
-                        x = new_node(_op('grad_all_reduce'), (x, axis), a, R)
+                        x = new_node(_op('grad_all_reduce'), (x, axis), a, R, before)
             elif isinstance(dst, Shard):
                 if isinstance(src, Replicate):
-                    x = new_node(_op('split'), (x, axis, dst.dim), a, dst)
+                    x = new_node(_op('split'), (x, axis, dst.dim), a, dst, before)
                 elif isinstance(src, Shard):
-                    x = new_node(_op('all_to_all'), (x, axis, src.dim, dst.dim, -1), a, dst)
+                    x = new_node(_op('all_to_all'), (x, axis, src.dim, dst.dim, -1), a, dst, before)
                 elif isinstance(src, Partial):
-                    x = new_node(_op('reduce_scatter'), (x, axis, dst.dim, src.op), a, dst)
+                    x = new_node(_op('reduce_scatter'), (x, axis, dst.dim, src.op), a, dst, before)
             elif isinstance(dst, Partial):
                 if isinstance(src, Shard):
-                    x = new_node(_op('all_gather_chunk_grad'), (x, axis, src.dim, -1), a, R)
-                x = new_node(_op('to_partial'), (x, axis), a, dst)
+                    x = new_node(_op('all_gather_chunk_grad'), (x, axis, src.dim, -1), a, R, before)
+                x = new_node(_op('to_partial'), (x, axis), a, dst, before)
         if x is a and src != dst:
             raise ShardPlanError(f"no conversion from {src} to {dst} on axis {axis!r} for {a.name}")
         del full
