@@ -174,6 +174,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                           f"recompute {rec.recompute_s * 1e3:.2f} ms, gap {rec.solver['gap']:.1%}")
     _predict(plan, global_gm, local_gm, mesh)  # before recompute: analyze() sees regions as opaque calls
     records, stage_graphs = list(pm.records), []
+    engine_options = {"model_parallel": {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and
+                                                     type(p).__name__ == "Shard")
+                                         for name, lay in plan.param_layouts.items()}}
     if any(v != "none" for v in plan.recompute.values()):
         if mesh.size("pp") > 1:
             raise ValueError("activation recomputation with pipeline parallelism is not wired yet (the pass runs "
@@ -185,7 +188,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         from autopar.pipeline_build import build_pipeline  # noqa: PLC0415
 
         program, stage_graphs, pp_records = build_pipeline(global_gm, local_gm, plan, mesh, sync_init=sync_init,
-                                                           hardware=hardware, dump_dir=dump_dir)
+                                                           hardware=hardware, dump_dir=dump_dir,
+                                                           engine_options=engine_options)
         records += pp_records
         if "pipeline" in plan.extra:  # estimate() costs one stage; the pipeline's own prediction replaces its time
             pipe = plan.extra["pipeline"]
@@ -194,7 +198,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     else:
         program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
                           in_spec=global_gm.meta.get("autopar_in_spec"),
-                          out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init)
+                          out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
+                          engine_options=engine_options)
     pmodel = ParallelModel(program, plan, local_gm, global_gm, records, global_gm.meta.get("autopar_capture", {}))
     pmodel.__dict__["stage_graphs"] = stage_graphs
     return pmodel

@@ -88,7 +88,7 @@ from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, shar
 from .zero_stage3 import ShardedEngine, default_units
 
 _COMMON = {"param_dtype", "reduce_dtype", "loss_scale", "init_scale", "growth_interval", "offload",
-           "cast_inputs", "init_fn"}
+           "cast_inputs", "init_fn", "model_parallel"}
 _STAGE3 = {"units", "prefetch"}
 
 

@@ -78,12 +78,16 @@ class EngineBase:
     def __init__(self, module: nn.Module, mesh, axis: str, bucket_mb: float = 25.0, *,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  loss_scale: str | float | None = "auto", init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 offload: bool = False, cast_inputs: bool = True, init_fn: Callable | None = None):
+                 offload: bool = False, cast_inputs: bool = True, init_fn: Callable | None = None,
+                 model_parallel: dict[str, tuple[str, ...]] | None = None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"param_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {param_dtype}")
         self.module, self.mesh, self.axis, self.bucket_mb = module, mesh, axis, bucket_mb
+        # parameter name -> other mesh axes it is sharded over (tensor parallelism): their
+        # pieces of the gradient norm are summed over those axes, replicated ones counted once
+        self.model_parallel = {k: tuple(v) for k, v in (model_parallel or {}).items()}
         self.k = mesh.size(axis)
         self.index = mesh.local_rank(axis) if self.k > 1 else 0
         self.param_dtype = param_dtype
@@ -262,23 +266,40 @@ class EngineBase:
         if not self._grads_ready:
             self.finish_backward()
         norm_type = float(norm_type)
-        grads = [s.master.grad for s in self.slots if s.master.grad is not None]
+        groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        for sl in self.slots:
+            if sl.master.grad is not None:
+                groups.setdefault(self.model_parallel.get(sl.name, ()), []).append(sl.master.grad)
+        grads = [g for gs in groups.values() for g in gs]
         dev = grads[0].device if grads else self.device
         sharded = self.stage >= 1 and self.k > 1
+        mp_axes = sorted({a for axes in groups for a in axes if self.mesh.size(a) > 1})
+        # every rank takes part in the same reductions, whatever parameters it holds
+        keys = [()] + [tuple(a for a in mp_axes)] if mp_axes else [()]
         if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max().float() if grads else torch.zeros((), device=dev)
+            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max().float() if grads else \
+                torch.zeros((), device=dev)
+            t = local.reshape(1).to(self.device)
             if sharded:
-                t = local.reshape(1).to(self.device)
                 C.all_reduce_(t, self.axis, "max")
-                local = t[0].to(dev)
-            total = local
+            for a in mp_axes:
+                C.all_reduce_(t, a, "max")
+            total = t[0].to(dev)
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=dev))
+            parts = []
+            for key in keys:
+                gs = [g for axes, lst in groups.items() for g in lst
+                      if (tuple(a for a in axes if a in mp_axes) == key)]
+                parts.append(sum((g.float().abs().pow(norm_type).sum() for g in gs), torch.zeros((), device=dev)))
+            t = torch.stack(parts).to(self.device)
             if sharded:
-                t = local.reshape(1).to(self.device)
                 C.all_reduce_(t, self.axis, "sum")
-                local = t[0].to(dev)
-            total = local.pow(1.0 / norm_type)
+            if len(parts) > 1:  # the model-parallel part: summed over the axes that shard it
+                mp = t[1:].clone()
+                for a in mp_axes:
+                    C.all_reduce_(mp, a, "sum")
+                t = torch.cat([t[:1], mp])
+            total = t.sum().to(dev).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))

@@ -81,6 +81,7 @@ def _one_process(name, steps=3):
         loss.backward()
         if i == 0:
             grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            grads["(norm)"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -103,13 +104,15 @@ def _parallel(rank, ws, runs, steps=3):
             loss = pm.step((x, y), loss_fn)
             if i == 0 and zero == 0:
                 grads = {k: p.grad.clone() for k, p in pm.program.module.named_parameters() if p.grad is not None}
+            if i == 0:  # the global gradient norm over tp shards and dp (clipping's input)
+                norm = pm.engine.clip_grad_norm_(1e9)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
         params = ({k: v.detach().clone() for k, v in pm.program.module.named_parameters()} if zero == 0
                   else pm.engine.gather_full_state_dict())
         layouts = {k: {a: str(p) for a, p in lay.axes} for k, lay in pm.plan.param_layouts.items()}
-        out.append((losses, grads, params, layouts, pm.mesh.coords(rank)))
+        out.append((losses, grads, params, layouts, pm.mesh.coords(rank), float(norm)))
     return out
 
 
@@ -136,8 +139,13 @@ def _check(results, runs):
             got = _full([(r[2], r[4]) for r in per], key, layouts)
             torch.testing.assert_close(got, ref, rtol=PARAM_TOL, atol=PARAM_TOL,
                                        msg=lambda m: f"{name} {mesh_kw} param {key}: {m}")
+        for r in per:
+            torch.testing.assert_close(torch.tensor(r[5]), ref_grads["(norm)"], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name} {mesh_kw} gradient norm: {m}")
         if per[0][1] is not None:
             for key, ref in ref_grads.items():
+                if key == "(norm)":
+                    continue
                 got = _full([(r[1], r[4]) for r in per], key, layouts)
                 torch.testing.assert_close(got, ref, rtol=GRAD_TOL, atol=GRAD_TOL,
                                            msg=lambda m: f"{name} {mesh_kw} grad {key}: {m}")
