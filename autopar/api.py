@@ -22,6 +22,7 @@ from autopar.capture import capture
 from autopar.passes import ir
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
+from autopar.passes.fuse import fuse
 from autopar.passes.plan import Plan
 from autopar.passes.recompute import recompute
 from autopar.passes.shard import shard
@@ -140,6 +141,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("the model's parameters are on the meta device; parallelize needs real weights "
                          "(plan and dump work on meta models: use autopar.capture / the CLI's `plan`)")
+    fusions_pinned = plan is not None or "fusions" in (pins or {})
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     dp = plan.dp
@@ -160,8 +162,16 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))
+    if fusions_pinned:
+        from autopar.passes.rules.fusion_table import selection  # noqa: PLC0415
+
+        selection(plan.fusions)  # a bad entry is a ValueError here, not a PassError
+    else:
+        static = _batch_is_static(global_gm)
+        _search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
+                        1 if static else dp * plan.n_microbatches)
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, zero], dump_dir=dump_dir)
+    pm = PassManager([split_batch, shard, zero, fuse], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
         from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
@@ -286,6 +296,15 @@ def _search_sharding(plan: Plan, gm, mesh: Mesh, hardware: str) -> None:
         for key, p in result["layouts"].items():
             plan.node_layouts[key] = Layout.replicated(tuple(mesh.sizes)).replace(axis, parse_placement(p))
         plan.extra.setdefault("shard", {})[axis] = result["search"]
+
+
+def _search_fusions(plan: Plan, gm, hardware: str, batch_split: int) -> None:
+    """plan.fusions from the cost model (deterministic: every rank gets the same)."""
+    from autopar.search.fusion import fusion_notes, plan_fusions  # noqa: PLC0415
+
+    plan.fusions, rows = plan_fusions(gm, hardware, batch_split=batch_split)
+    plan.notes += fusion_notes(rows)
+    plan.extra["fusion"] = [r.to_dict() for r in rows]
 
 
 def _shard_notes(sol) -> list[str]:

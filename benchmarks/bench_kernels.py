@@ -94,6 +94,7 @@ def specs(tokens: int, hidden: int, vocab: int, lce_tokens: int, batch: int,
         Spec("layer_norm", "layer_norm", rows(vec, vec), passes(2, 5)),
         # fwd reads x, r, writes s, y; bwd reads ds, dy, s, writes one dx for both inputs
         Spec("add_rms_norm", "add_rms_norm", rows(full, vec), passes(4, 8)),
+        Spec("add_layer_norm", "add_layer_norm", rows(full, vec, vec), passes(4, 8)),
         # fwd reads a, b, writes y; bwd reads dy, a, b, writes da, db
         Spec("swiglu", "swiglu", rows(full), passes(3, 8)),
         Spec("geglu_tanh", "geglu", rows(full, approximate="tanh"), passes(3, 8)),

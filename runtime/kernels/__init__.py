@@ -19,8 +19,9 @@ from .activations import (bias_gelu, bias_gelu_reference, geglu, geglu_reference
                           swiglu_reference)
 from .cross_entropy import (cross_entropy, cross_entropy_reference, linear_cross_entropy,
                             linear_cross_entropy_reference)
-from .norms import (add_rms_norm, add_rms_norm_reference, layer_norm, layer_norm_reference,
-                    rms_norm, rms_norm_reference)
+from .norms import (add_layer_norm, add_layer_norm_reference, add_rms_norm,
+                    add_rms_norm_reference, layer_norm, layer_norm_reference, rms_norm,
+                    rms_norm_reference)
 from .rope import rope, rope_reference
 from .softmax import softmax, softmax_reference
 
@@ -38,6 +39,8 @@ KERNELS: dict[str, Kernel] = {
                          "LayerNorm over the last dim, optional weight and bias"),
     "add_rms_norm": Kernel(add_rms_norm, add_rms_norm_reference,
                            "residual add + RMSNorm; returns (sum, normed)"),
+    "add_layer_norm": Kernel(add_layer_norm, add_layer_norm_reference,
+                             "residual add + LayerNorm; returns (sum, normed)"),
     "swiglu": Kernel(swiglu, swiglu_reference, "silu(a) * b"),
     "geglu": Kernel(geglu, geglu_reference, "gelu(a) * b, erf or tanh GeLU"),
     "bias_gelu": Kernel(bias_gelu, bias_gelu_reference,

@@ -1,4 +1,4 @@
-"""Triton kernels and launchers for RMSNorm, residual add + RMSNorm, and LayerNorm.
+"""Triton kernels and launchers for RMSNorm and LayerNorm, each with an optional residual add.
 
 Rows are (M, N) with a contiguous last dim and any row stride. The forward runs one program
 per row and keeps the row in registers; it saves the per-row statistics (rstd, and mean for
@@ -75,12 +75,18 @@ def _rms_norm_bwd(DY, stride_dy, DS, stride_ds, X, stride_x, W, RSTD, DX, stride
 
 
 @triton.jit
-def _layer_norm_fwd(X, stride_x, W, B, Y, stride_y, MEAN, RSTD, N, eps,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+def _layer_norm_fwd(X, stride_x, R, stride_r, S, stride_s, W, B, Y, stride_y, MEAN, RSTD, N, eps,
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # as in _rms_norm_fwd: normalise the sum rounded to the input dtype
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = cast_to(x + r, S.dtype.element_ty)
+        tl.store(S + row * stride_s + cols, s, mask=mask)
+        x = s.to(tl.float32)
     mean = tl.sum(x, axis=0) / N
     xc = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
@@ -95,9 +101,10 @@ def _layer_norm_fwd(X, stride_x, W, B, Y, stride_y, MEAN, RSTD, N, eps,
 
 
 @triton.jit
-def _layer_norm_bwd(DY, stride_dy, X, stride_x, W, MEAN, RSTD, DX, stride_dx,
+def _layer_norm_bwd(DY, stride_dy, DS, stride_ds, X, stride_x, W, MEAN, RSTD, DX, stride_dx,
                     DW_PARTIAL, DB_PARTIAL, M, N, rows_per_program,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w, xhat = (x - mean) * rstd
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -122,6 +129,8 @@ def _layer_norm_bwd(DY, stride_dy, X, stride_x, W, MEAN, RSTD, DX, stride_dx,
         if HAS_B:
             db += dy
         dx = rstd * (g - tl.sum(g, axis=0) / N - xhat * (tl.sum(g * xhat, axis=0) / N))
+        if HAS_DS:  # gradient reaching the residual sum directly (add_layer_norm)
+            dx += tl.load(DS + row * stride_ds + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, cast_to(dx, DX.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(DW_PARTIAL + pid * N + cols, dw, mask=mask)
@@ -171,26 +180,32 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
 
 
 def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   eps: float):
-    """x: (M, N). Returns (y, mean (M,) fp32, rstd (M,) fp32)."""
+                   eps: float, residual: torch.Tensor | None = None):
+    """x, residual: (M, N). Returns (y, mean (M,) fp32, rstd (M,) fp32, sum or None)."""
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    s = torch.empty_like(y) if residual is not None else None
     if M == 0:
-        return y, mean, rstd
+        return y, mean, rstd, s
     block, warps = row_block(N, "layer_norm")
+    r = residual if residual is not None else x  # placeholders for unused pointers
+    out_s = s if s is not None else y
     _layer_norm_fwd[(M,)](
-        x, x.stride(0), weight if weight is not None else x, bias if bias is not None else x,
+        x, x.stride(0), r, r.stride(0), out_s, out_s.stride(0),
+        weight if weight is not None else x, bias if bias is not None else x,
         y, y.stride(0), mean, rstd, N, eps,
-        HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=warps,
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK=block, num_warps=warps,
     )
-    return y, mean, rstd
+    return y, mean, rstd, s
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                   bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor):
-    """Returns (dx, dweight or None, dbias or None)."""
+                   bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                   ds: torch.Tensor | None = None):
+    """dy, x (the normalised input), ds: (M, N). Returns (dx, dweight or None, dbias or None)."""
     M, N = x.shape
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
     programs, per_program = num_workers(x.device, M)
@@ -198,10 +213,13 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     db_partial = torch.zeros((programs, N), dtype=torch.float32, device=x.device)
     if M > 0:
         block, warps = row_block(N, "layer_norm")
+        d_s = ds if ds is not None else dy
         _layer_norm_bwd[(programs,)](
-            dy, dy.stride(0), x, x.stride(0), weight if weight is not None else x, mean, rstd,
+            dy, dy.stride(0), d_s, d_s.stride(0), x, x.stride(0),
+            weight if weight is not None else x, mean, rstd,
             dx, dx.stride(0), dw_partial, db_partial, M, N, per_program,
-            HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=warps,
+            HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None, BLOCK=block,
+            num_warps=warps,
         )
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     db = db_partial.sum(0).to(bias.dtype) if bias is not None else None

@@ -1,4 +1,4 @@
-"""Fused normalisations: RMSNorm, LayerNorm, and residual add + RMSNorm.
+"""Fused normalisations: RMSNorm, LayerNorm, and residual add + RMSNorm / LayerNorm.
 
 Each op has a torch reference (`<op>_reference`: the numerical oracle and the CPU fallback),
 an autograd Function over the Triton kernels in `_triton_norms.py` (forward and backward,
@@ -42,6 +42,14 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor,
     """(s, rms_norm(s)) with s = x + residual in the input dtype."""
     s = x + residual
     return s, rms_norm_reference(s, weight, eps)
+
+
+def add_layer_norm_reference(x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                             eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, layer_norm(s)) with s = x + residual in the input dtype."""
+    s = x + residual
+    return s, layer_norm_reference(s, weight, bias, eps)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -97,7 +105,7 @@ class _LayerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps):
         k = load_kernels("norms")
         x2, weight, bias = as_rows(x), _contiguous(weight), _contiguous(bias)
-        y, mean, rstd = k.layer_norm_fwd(x2, weight, bias, eps)
+        y, mean, rstd, _ = k.layer_norm_fwd(x2, weight, bias, eps)
         ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -108,6 +116,30 @@ class _LayerNorm(torch.autograd.Function):
         dx, dw, db = load_kernels("norms").layer_norm_bwd(as_rows(dy), x2, weight, bias, mean,
                                                           rstd)
         return dx.view(ctx.shape), dw, db, None
+
+
+class _AddLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps):
+        k = load_kernels("norms")
+        weight, bias = _contiguous(weight), _contiguous(bias)
+        y, mean, rstd, s = k.layer_norm_fwd(as_rows(x), weight, bias, eps,
+                                            residual=as_rows(residual))
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.shape = x.shape
+        ctx.set_materialize_grads(False)  # an unused sum gets no zero-filled gradient
+        return s.view(x.shape), y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:  # only the sum was used
+            return ds, ds, None, None, None
+        ds2 = as_rows(ds) if ds is not None else None
+        dx, dw, db = load_kernels("norms").layer_norm_bwd(as_rows(dy), s, weight, bias, mean,
+                                                          rstd, ds=ds2)
+        dx = dx.view(ctx.shape)
+        return dx, dx, dw, db, None  # one tensor for both: see _AddRMSNorm.backward
 
 
 # ---------------------------------------------------------------------------- public
@@ -145,3 +177,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     if use_triton("add_rms_norm", x, residual, weight):
         return _AddRMSNorm.apply(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None,
+                   eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then LayerNorm, in one pass.
+
+    Returns:
+        (s, y): s = x + residual (in the input dtype) and y = layer_norm(s, weight, bias, eps).
+    """
+    check_same("add_layer_norm", x, residual, "x and residual")
+    check_last_dim("add_layer_norm", "weight", weight, x.shape[-1])
+    check_last_dim("add_layer_norm", "bias", bias, x.shape[-1])
+    if use_triton("add_layer_norm", x, residual, weight, bias):
+        return _AddLayerNorm.apply(x, residual, weight, bias, eps)
+    return add_layer_norm_reference(x, residual, weight, bias, eps)

@@ -155,13 +155,14 @@ def test_every_kernel_compiles_for_sm90():
         _compile_for_sm90(norms._rms_norm_bwd, 8, DY=x, stride_dy=s, DS=x, stride_ds=s, X=x,
                           stride_x=s, W=x, RSTD=f32, DX=x, stride_dx=s, DW_PARTIAL=f32, M=n,
                           N=n, rows_per_program=n, HAS_W=has_w, HAS_DS=has_ds, BLOCK=4096)
-    for has_w, has_b in ((True, True), (False, False)):
-        _compile_for_sm90(norms._layer_norm_fwd, 8, X=x, stride_x=s, W=x, B=x, Y=x, stride_y=s,
-                          MEAN=f32, RSTD=f32, N=n, eps=1e-5, HAS_W=has_w, HAS_B=has_b,
-                          BLOCK=4096)
-        _compile_for_sm90(norms._layer_norm_bwd, 8, DY=x, stride_dy=s, X=x, stride_x=s, W=x,
-                          MEAN=f32, RSTD=f32, DX=x, stride_dx=s, DW_PARTIAL=f32, DB_PARTIAL=f32,
-                          M=n, N=n, rows_per_program=n, HAS_W=has_w, HAS_B=has_b, BLOCK=4096)
+    for has_w, has_b, has_r in ((True, True, True), (False, False, False)):
+        _compile_for_sm90(norms._layer_norm_fwd, 8, X=x, stride_x=s, R=x, stride_r=s, S=x,
+                          stride_s=s, W=x, B=x, Y=x, stride_y=s, MEAN=f32, RSTD=f32, N=n,
+                          eps=1e-5, HAS_W=has_w, HAS_B=has_b, HAS_RESIDUAL=has_r, BLOCK=4096)
+        _compile_for_sm90(norms._layer_norm_bwd, 8, DY=x, stride_dy=s, DS=x, stride_ds=s, X=x,
+                          stride_x=s, W=x, MEAN=f32, RSTD=f32, DX=x, stride_dx=s,
+                          DW_PARTIAL=f32, DB_PARTIAL=f32, M=n, N=n, rows_per_program=n,
+                          HAS_W=has_w, HAS_B=has_b, HAS_DS=has_r, BLOCK=4096)
     _compile_for_sm90(norms._rms_norm_fwd, 4, X=f32, stride_x=s, R=f32, stride_r=s, S=f32,
                       stride_s=s, W=f32, Y=f32, stride_y=s, RSTD=f32, N=n, eps=1e-6,
                       HAS_W=True, HAS_RESIDUAL=False, BLOCK=1024)
@@ -234,6 +235,9 @@ CASES: dict[str, tuple[str, Case]] = {
     "add_rms_norm": ("add_rms_norm", lambda dt: (
         (_randn(2, 3, 40, dtype=dt, seed=11), _randn(2, 3, 40, dtype=dt, seed=12),
          _randn(40, dtype=dt, seed=13)), {})),
+    "add_layer_norm": ("add_layer_norm", lambda dt: (
+        (_randn(2, 3, 40, dtype=dt, seed=34, scale=2.0), _randn(2, 3, 40, dtype=dt, seed=35),
+         _randn(40, dtype=dt, seed=36), _randn(40, dtype=dt, seed=37)), {})),
     "swiglu": ("swiglu", lambda dt: (
         (_randn(2, 3, 40, dtype=dt, seed=14, scale=3.0), _randn(2, 3, 40, dtype=dt, seed=15)),
         {})),
@@ -405,13 +409,41 @@ def test_linear_cross_entropy_saves_no_logits_for_backward(interpret):
 
 
 @interpreted
-def test_add_rms_norm_gives_separate_equal_gradients_to_x_and_residual(interpret):
+def test_linear_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_reference(interpret):
+    # a bias of 1e4 shifts every logit by 1e4 inside the chunked kernel
+    x = _randn(10, 16, dtype=torch.float32, seed=57)
+    w = _randn(40, 16, dtype=torch.float32, seed=58, scale=0.5)
+    b = (torch.full((40,), 1e4) + torch.randn(40, generator=_gen(59))).requires_grad_()
+    target = _target((10,), 40, seed=59)
+    got = _run(lambda *a: kernels.linear_cross_entropy(*a, chunk_size=4), (x, w, target, b), {})
+    want = _run(kernels.linear_cross_entropy_reference, (x, w, target, b), {})
+    assert all(torch.isfinite(t).all() for t in got)
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("op", ["add_rms_norm", "add_layer_norm"])
+def test_add_norm_gives_separate_equal_gradients_to_x_and_residual(op, interpret):
     x = _randn(6, 24, dtype=torch.float32, seed=60)
     r = _randn(6, 24, dtype=torch.float32, seed=61)
-    s, y = kernels.add_rms_norm(x, r)
+    s, y = KERNELS[op].fused(x, r)
     (s.sum() + (y * 2).sum()).backward()
     torch.testing.assert_close(x.grad, r.grad, atol=0, rtol=0)
     assert x.grad.data_ptr() != r.grad.data_ptr()
+
+
+@interpreted
+@pytest.mark.parametrize("op", ["add_rms_norm", "add_layer_norm"])
+def test_add_norm_with_only_one_output_used_matches_reference(op, interpret):
+    # post-norm blocks (BERT) use only the normalised output; the sum alone is also legal
+    for pick in (0, 1):
+        args = (_randn(5, 24, dtype=torch.float32, seed=62), _randn(5, 24, dtype=torch.float32, seed=63),
+                _randn(24, dtype=torch.float32, seed=64, grad=pick == 1))  # the sum ignores w
+        got = _run(lambda *a: KERNELS[op].fused(*a)[pick], args, {})
+        want = _run(lambda *a: KERNELS[op].reference(*a)[pick], args, {})
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 @interpreted
@@ -487,8 +519,8 @@ def test_bad_arguments_raise_value_errors_that_name_them(call, match):
 
 
 def test_registry_lists_every_op_with_matching_fused_and_reference_functions():
-    expected = {"rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "bias_gelu",
-                "rope", "softmax", "cross_entropy", "linear_cross_entropy"}
+    expected = {"rms_norm", "layer_norm", "add_rms_norm", "add_layer_norm", "swiglu", "geglu",
+                "bias_gelu", "rope", "softmax", "cross_entropy", "linear_cross_entropy"}
     assert set(KERNELS) == expected
     for name, (fused, reference, description) in KERNELS.items():
         assert fused.__name__ == name and reference.__name__ == f"{name}_reference"
