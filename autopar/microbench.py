@@ -1,0 +1,192 @@
+"""Measure what the cost model assumes about a machine: the microbenchmarks of `autopar tune`.
+
+  compute_suite(device, quick)   matmul throughput over shapes and dtypes, causal attention,
+                                 elementwise (vector) and copy (memory bandwidth) over sizes,
+                                 and the launch overhead of a tiny kernel
+  run_compute(item, device)      time one item of that suite
+  collective_suite(sizes)        every collective the runtime issues, over message sizes
+  run_collective(item, group)    time one collective on a process group (max over its ranks)
+  predicted_seconds(item, hw)    what the cost model's roofline says the item takes on `hw`,
+                                 with the same formula `autopar.cost.estimate` uses per node
+
+Every item is a plain dict (JSON-ready) that gets a "seconds" entry when measured. Payloads
+follow `autopar.cost.comm`: the tensor handed to the collective on one rank (all-gather: the
+local shard). Times are medians over repeats after warm-up; a collective's time is the slowest
+rank's (all-reduce MAX of each rank's median), which is what a step waits for.
+
+Reads and writes no node.meta keys.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopar.cost import Hardware
+from autopar.cost.comm import collective_time
+from autopar.cost.estimate import _Timer
+from autopar.cost.ops import OpCost
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+# ------------------------------------------------------------------------ suites
+def compute_suite(device: str, quick: bool) -> list[dict[str, Any]]:
+    """The compute items for a device ("cpu" or "cuda"); `quick` keeps CPU runs to seconds."""
+    gpu = device == "cuda"
+    items: list[dict[str, Any]] = []
+    sizes = [1024, 2048, 4096, 8192] if gpu else ([64, 128, 256, 384] if quick else [64, 128, 256, 512, 1024])
+    dtypes = ["bf16", "fp16", "fp32"] if gpu else ["fp32", "bf16"]
+    for dt in dtypes:
+        slow = not gpu and dt != "fp32"  # CPU half precision runs ~50x slower without AMX: keep it small
+        for s in (sizes[:2] if slow else sizes):
+            items.append({"kind": "matmul", "dtype": dt, "shape": [s, s, s]})
+        if slow:
+            continue
+        # the skinny shapes of a transformer layer: tokens x width x width
+        for m, k, n in ([(8192, 4096, 4096), (8192, 4096, 14336)] if gpu else [(256, 64, 64), (256, 64, 128),
+                                                                               (512, 128, 512)]):
+            items.append({"kind": "matmul", "dtype": dt, "shape": [m, k, n]})
+    for b, h, s, d in ([(4, 32, 2048, 128), (1, 32, 8192, 128)] if gpu else [(8, 4, 32, 16), (4, 4, 128, 32),
+                                                                            (2, 8, 256, 64)]):
+        items.append({"kind": "attention", "dtype": "bf16" if gpu else "fp32", "shape": [b, h, s, d]})
+    numels = [2**20, 2**24, 2**27] if gpu else ([2**12, 2**16, 2**20, 2**22] if quick else
+                                                [2**12, 2**16, 2**20, 2**23])
+    for n in numels:
+        items.append({"kind": "vector", "dtype": "fp32", "numel": n})
+        items.append({"kind": "memory", "dtype": "fp32", "numel": n})
+    items.append({"kind": "launch", "dtype": "fp32", "numel": 1})
+    return items
+
+
+def collective_suite(sizes: list[int]) -> list[dict[str, Any]]:
+    return [{"kind": "collective", "op": op, "payload": int(s)} for op in COLLECTIVE_OPS for s in sizes]
+
+
+def default_message_sizes(device: str, quick: bool) -> list[int]:
+    if device == "cuda":
+        return [2**k for k in range(12, 31, 3)]  # 4 KiB .. 1 GiB
+    return [2**k for k in (range(10, 23, 4) if quick else range(10, 25, 2))]  # 1 KiB .. 4 MiB (16 MiB)
+
+
+# ------------------------------------------------------------------------ timing
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, device: str, *, min_repeats: int = 5, budget_s: float = 0.15) -> float:
+    fn()
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, min(1000, int(0.01 / once)))  # batch tiny kernels so the timer's resolution is no issue
+    repeats = max(min_repeats, min(50, int(budget_s / (once * inner))))
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
+    """`item` with its measured "seconds" (and the work it did: flops, bytes)."""
+    dt = DTYPES[item["dtype"]]
+    kind = item["kind"]
+    out = dict(item)
+    if kind == "matmul":
+        m, k, n = item["shape"]
+        a, b = torch.randn(m, k, device=device, dtype=dt), torch.randn(k, n, device=device, dtype=dt)
+        fn = lambda: torch.mm(a, b)  # noqa: E731
+        out.update(flops=2.0 * m * k * n, bytes=float((m * k + k * n + m * n) * a.element_size()))
+    elif kind == "attention":
+        b, h, s, d = item["shape"]
+        q, k_, v = (torch.randn(b, h, s, d, device=device, dtype=dt) for _ in range(3))
+        fn = lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True)  # noqa: E731
+        out.update(flops=4.0 * b * h * s * s * d, bytes=float(4 * b * h * s * d * q.element_size()))
+    elif kind in ("vector", "memory", "launch"):
+        x = torch.randn(item["numel"], device=device, dtype=dt)
+        y = torch.randn_like(x)
+        z = torch.empty_like(x)
+        if kind == "memory":
+            fn = lambda: z.copy_(x)  # noqa: E731
+            out.update(flops=0.0, bytes=float(2 * x.numel() * x.element_size()))
+        else:
+            fn = lambda: torch.add(x, y, out=z)  # noqa: E731
+            out.update(flops=float(x.numel()), bytes=float(3 * x.numel() * x.element_size()))
+    else:
+        raise ValueError(f"unknown microbenchmark kind {kind!r}")
+    out["seconds"] = _median_time(fn, device)
+    return out
+
+
+def run_collective(item: dict[str, Any], group, device: str) -> dict[str, Any]:
+    """Time `item["op"]` with `item["payload"]` bytes (per rank) on `group`; every rank of the
+    group must call this with the same item. Returns the item with "seconds" (slowest rank)."""
+    n = dist.get_world_size(group)
+    op, payload = item["op"], int(item["payload"])
+    numel = max(n, payload // 4 // n * n)
+    x = torch.randn(numel, device=device)
+    if op == "all_reduce":
+        fn = lambda: dist.all_reduce(x, group=group)  # noqa: E731
+    elif op == "all_gather":
+        out = torch.empty(numel * n, device=device)
+        fn = lambda: dist.all_gather_into_tensor(out, x, group=group)  # noqa: E731
+    elif op == "reduce_scatter":
+        out = torch.empty(numel // n, device=device)
+        fn = lambda: dist.reduce_scatter_tensor(out, x, group=group)  # noqa: E731
+    elif op == "all_to_all":
+        out = torch.empty_like(x)
+        fn = lambda: dist.all_to_all_single(out, x, group=group)  # noqa: E731
+    elif op == "broadcast":
+        src = dist.get_global_rank(group, 0)
+        fn = lambda: dist.broadcast(x, src=src, group=group)  # noqa: E731
+    else:
+        raise ValueError(f"unknown collective {op!r}; known: {COLLECTIVE_OPS}")
+    dist.barrier(group=group)
+    # the same repeat count on every rank (a rank-local budget would desynchronise the group)
+    fn()
+    _sync(device)
+    dist.barrier(group=group)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+    res = dict(item)
+    res.update(payload=numel * 4, group_size=n, seconds=float(med.item()))
+    return res
+
+
+# ------------------------------------------------------------------------ predictions
+def predicted_seconds(item: dict[str, Any], hw: Hardware, *, link=None) -> float:
+    """The cost model's time for a measured item on `hw` (collectives: on `link`, an AxisLink)."""
+    kind = item["kind"]
+    if kind == "collective":
+        return collective_time(item["op"], item["payload"], item["group_size"], link.link, "ring", link.efficiency) \
+            if item["op"] != "all_reduce" else link.time("all_reduce", item["payload"], "auto")
+    timer = _Timer(hw, {})
+    if kind == "matmul":
+        c = OpCost(kind="matmul", dtype=item["dtype"])
+        return timer._t(c, item["flops"], 0.0, item["bytes"], 1)
+    if kind == "attention":
+        c = OpCost(kind="attention", dtype=item["dtype"], causal_fraction=0.5)
+        return timer._t(c, item["flops"], 0.0, item["bytes"], 1)
+    if kind in ("vector", "memory", "launch"):
+        return timer._t(OpCost(kind="vector"), 0.0, item["flops"], item["bytes"], 1)
+    raise ValueError(f"unknown microbenchmark kind {kind!r}")

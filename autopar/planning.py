@@ -1,0 +1,413 @@
+"""Plan a model for a mesh on given hardware without weights: what `autopar plan`, `dump` and
+`tune` call.
+
+  capture_meta(source, batch, seq)         the model built and captured on the meta device
+  plan_model(source, mesh=.. | world_size=.., hardware=..)  -> PlanResult: the best Plan and
+                                           its ranked alternatives, each with predictions
+  rank_graph(global_gm, plan, rank)        one rank's rewritten graph (on meta), as
+                                           `autopar.parallelize` would run it
+  predict(global_gm, plan, hardware)       the cost model's prediction of a plan
+
+Which search runs: the joint planner (`autopar.search.planner.plan_for`) when it imports
+(its alternatives come back as summaries: `materialise(result, i)` re-plans one with its
+choices pinned to get the complete Plan); otherwise the fallback, which plans each mesh the way `autopar.parallelize` does — the
+sharding ILP on the tp axis, the stage DP on the pp axis — and costs every candidate with
+`autopar.cost.estimate` on rank 0's rewritten graph (so the tensor-parallel collectives the
+shard pass inserts are in the step time). With `world_size` alone the fallback enumerates
+meshes pp x dp x tp (tp up to a node's devices) and ZeRO stages; with a mesh it enumerates
+the ZeRO stages (and micro-batch counts for pp). Candidates that do not fit the device (or
+`memory_limit`) rank after those that do; ties break on the order they were made in.
+`PlanResult.planner` says which search ran and why.
+
+Plans are stamped with what made them in `plan.extra["cli"]` (model, batch, seq, hardware),
+which `autopar run` and `verify` read back.
+
+Reads and writes node.meta only through the passes and searches it calls. Deterministic:
+the same inputs give the same plans and the same order.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from autopar.capture import capture
+from autopar.cost import Estimate, Hardware, analyze, estimate, load_profile
+from autopar.model_source import ModelSource
+from autopar.passes.pass_manager import PassContext, PassManager
+from autopar.passes.plan import Plan
+from autopar.passes.shard import shard
+from autopar.passes.split_batch import split_batch
+from autopar.passes.zero import zero
+from autopar.runtime.mesh import AXIS_ORDER, Mesh
+
+KNOWN_AXES = ("pp", "dp", "tp")
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    predicted: dict[str, Any]  # step_s, peak_bytes, capacity_bytes, fits, mfu ... (per rank)
+    estimate: Estimate | None = None  # rank 0's, when costed here
+
+    @property
+    def step_s(self) -> float:
+        return float(self.predicted.get("step_s", math.inf))
+
+    @property
+    def peak_bytes(self) -> float:
+        return float(self.predicted.get("peak_bytes", math.nan))
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.predicted.get("fits", True))
+
+    def row(self) -> dict[str, Any]:
+        """One line of the alternatives table (JSON-ready)."""
+        p = self.plan
+        return {"mesh": dict(p.mesh), "zero_stage": p.zero_stage, "n_microbatches": p.n_microbatches,
+                "schedule": p.schedule, "split_points": list(p.split_points), "step_s": self.step_s,
+                "peak_bytes": self.peak_bytes, "fits": self.fits, "mfu": self.predicted.get("mfu")}
+
+
+@dataclass
+class PlanResult:
+    source: ModelSource
+    hardware: Hardware
+    planner: str  # "joint" | "fallback"
+    planner_note: str
+    global_gm: fx.GraphModule
+    batch: int
+    seq: int | None
+    candidates: list[Candidate]  # best first
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    report: Any = None  # the joint planner's PlanReport
+    world_size: int = 0
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def to_dict(self, top: int = 1) -> dict[str, Any]:
+        d = {"model": self.source.describe(), "hardware": self.hardware.name, "planner": self.planner,
+             "planner_note": self.planner_note, "batch": self.batch, "seq": self.seq,
+             "capture": self.global_gm.meta.get("autopar_capture", {}).get("path"),
+             "plan": self.best.plan.to_dict(), "predicted": _jsonable(self.best.predicted),
+             "alternatives": [_jsonable(c.row()) for c in self.candidates[:max(top, 1)]], "notes": self.notes}
+        if self.report is not None and hasattr(self.report, "to_dict"):
+            d["planner_report"] = _jsonable(self.report.to_dict())
+        return d
+
+
+# ------------------------------------------------------------------------ parsing
+def parse_mesh(text: str) -> dict[str, int]:
+    """'dp=8,tp=8' -> {"dp": 8, "tp": 8} in the canonical axis order (pp, dp, ..., tp)."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        axis, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh {text!r}: each axis is name=size with a positive size, e.g. dp=8,tp=8")
+        axis = axis.strip()
+        if axis not in KNOWN_AXES:
+            raise ValueError(f"--mesh {text!r}: axis {axis!r} is not one this version plans "
+                             f"({', '.join(KNOWN_AXES)}); expert parallelism needs its pass first")
+        if axis in out:
+            raise ValueError(f"--mesh {text!r} names axis {axis!r} twice")
+        out[axis] = int(size)
+    if not out:
+        raise ValueError("--mesh is empty; write it as dp=8,tp=8")
+    out.setdefault("dp", 1)
+    return {a: out[a] for a in AXIS_ORDER if a in out}
+
+
+def default_batch(world_size: int) -> int:
+    """A global batch every factorisation of the world can split: 8, or the world size when larger."""
+    return max(8, world_size)
+
+
+# ------------------------------------------------------------------------ capture
+def capture_meta(source: ModelSource, batch: int, seq: int | None) -> fx.GraphModule:
+    """Build `source` on the meta device and capture it at (batch, seq) with a dynamic batch dim."""
+    with torch.device("meta"):
+        model = source.build()
+    inputs, _ = source.example_batch(batch, seq_len=seq, device="meta")
+    return capture(model, inputs)
+
+
+# ------------------------------------------------------------------------ one plan
+def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
+    import copy
+
+    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out.meta.update(gm.meta)
+    return out
+
+
+def shard_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> None:
+    """Fill the plan's tp strategies and layouts as `autopar.parallelize` does (its own code,
+    so that a plan made here runs unchanged)."""
+    from autopar.api import _search_sharding
+
+    _search_sharding(plan, global_gm, Mesh(dict(plan.mesh)), hardware)
+
+
+def stage_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware, memory_limit: float | None = None) -> None:
+    """Choose the pipeline split (plan.split_points, plan.extra["pipeline"]) for a pp mesh."""
+    from autopar.pipeline_build import choose_stages
+
+    if plan.schedule is None:
+        plan.schedule = "1f1b"
+    choose_stages(global_gm, plan, Mesh(dict(plan.mesh)), hardware=hardware, memory_limit=memory_limit)
+
+
+def rank_graph(global_gm: fx.GraphModule, plan: Plan, rank: int, *, with_recompute: bool = True
+               ) -> tuple[fx.GraphModule, list]:
+    """Rank `rank`'s rewritten graph (split_batch, shard, zero, and recompute when the plan has
+    it and no pipeline, as parallelize runs them) on meta, and the pass records."""
+    mesh = Mesh(dict(plan.mesh))
+    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
+    pm = PassManager([split_batch, shard, zero])
+    gm = pm.run(_fresh(global_gm), ctx, tag=f"rank{rank}")
+    records = list(pm.records)
+    if with_recompute and plan.mesh.get("pp", 1) == 1 and any(v != "none" for v in plan.recompute.values()):
+        from autopar.passes.recompute import recompute  # noqa: PLC0415 - as parallelize: after the prediction
+
+        rpm = PassManager([recompute])
+        gm = rpm.run(gm, ctx, tag=f"rank{rank}_recompute")
+        records += rpm.records
+    return gm, records
+
+
+def predict(global_gm: fx.GraphModule, plan: Plan, hardware: Hardware | str, *,
+            local_gm: fx.GraphModule | None = None, gc=None) -> tuple[dict[str, Any], Estimate]:
+    """The cost model's figures for `plan`: rank 0's rewritten graph costed per micro-batch
+    (tensor-parallel collectives included), the pipeline's simulated step when pp > 1."""
+    hw = load_profile(hardware)
+    if gc is None:
+        if local_gm is None:  # before recompute: the cost model sees checkpointed regions as opaque calls
+            local_gm, _ = rank_graph(global_gm, plan, 0, with_recompute=False)
+        gc = analyze(local_gm, hw)
+    est = estimate(gc, plan, hw, batch_is_global=True)
+    pred = est.summary()
+    pipe = plan.extra.get("pipeline")
+    if plan.mesh.get("pp", 1) > 1 and pipe:
+        pred.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
+                    peak_bytes_per_pp_rank=pipe["rank_memory_bytes"])
+        pred["peak_bytes"] = max(pipe["rank_memory_bytes"])
+        pred["fits"] = pred["peak_bytes"] <= pred["capacity_bytes"]
+    for axis, info in plan.extra.get("shard", {}).items():
+        pred[f"{axis}_search_comm_s"] = float(info["comm_s"])
+    return pred, est
+
+
+# ------------------------------------------------------------------------ search
+def meshes_for(world_size: int, hardware: Hardware, n_units: int) -> list[dict[str, int]]:
+    """pp x dp x tp factorisations of `world_size`: tp a power of two up to a node's devices,
+    pp at most the number of pipeline units; data parallel first, then more tp, then more pp."""
+    out = []
+    for tp in (t for t in (1, 2, 4, 8, 16) if t <= hardware.gpus_per_node and world_size % t == 0):
+        for pp in (p for p in range(1, world_size // tp + 1) if (world_size // tp) % p == 0 and p <= n_units):
+            dp = world_size // tp // pp
+            m = {"pp": pp, "dp": dp, "tp": tp}
+            out.append({a: s for a, s in m.items() if s > 1 or a == "dp"})
+    return sorted(out, key=lambda m: (m.get("pp", 1), m.get("tp", 1)))
+
+
+def _fallback(global_gm, meshes, hw, *, batch, zero_stage, n_microbatches, schedule, memory_limit,
+              step: Callable[[str], None]) -> tuple[list[Candidate], list[str]]:
+    from autopar.passes.split_pipeline import pipeline_units
+
+    cands: list[Candidate] = []
+    notes: list[str] = []
+    capacity = float(memory_limit) if memory_limit else None
+    for mesh in meshes:
+        pp, dp = mesh.get("pp", 1), mesh.get("dp", 1)
+        mbs = [n_microbatches] if n_microbatches else ([2 * pp] if pp > 1 else [1])
+        zs = [zero_stage] if zero_stage is not None else ([0, 1, 2, 3] if dp > 1 and pp == 1 else [0])
+        for mb in mbs:
+            if batch % (dp * mb):
+                notes.append(f"mesh {mesh} with {mb} micro-batches skipped: the global batch {batch} does not "
+                             f"divide by dp x micro-batches = {dp * mb}")
+                continue
+            step(f"planning {_mesh_text(mesh)}" + (f", {mb} micro-batches" if pp > 1 else ""))
+            base = Plan(mesh=dict(mesh), dp_axis="dp", n_microbatches=mb, schedule=schedule if pp > 1 else None)
+            try:
+                if mesh.get("tp", 1) > 1:
+                    shard_plan(base, global_gm, hw)
+                if pp > 1:
+                    if len(pipeline_units(global_gm)) < pp:
+                        raise ValueError(f"the model has fewer pipeline units than pp={pp}")
+                    stage_plan(base, global_gm, hw, memory_limit)
+                local, _ = rank_graph(global_gm, base, 0, with_recompute=False)
+                gc = analyze(local, hw)
+            except ValueError as e:
+                notes.append(f"mesh {mesh} skipped: {e}")
+                continue
+            for z in zs:
+                plan = base.pin(zero_stage=z)
+                pred, est = predict(global_gm, plan, hw, gc=gc)
+                if capacity is not None:
+                    pred["fits"] = pred["peak_bytes"] <= capacity
+                plan.predicted = _jsonable(pred)
+                cands.append(Candidate(plan, pred, est))
+    return cands, notes
+
+
+def _joint_pred(ev: Mapping[str, Any], hw: Hardware) -> dict[str, Any]:
+    """A planner Evaluation (as a dict) in the shape of `Estimate.summary()`."""
+    comm = ev.get("comm") or {}
+    return {"source": "planner", "hardware": hw.name, "step_s": ev["step_s"], "peak_bytes": ev["peak_bytes"],
+            "capacity_bytes": float(hw.device.memory_bytes), "memory_limit_bytes": ev.get("limit_bytes"),
+            "fits": bool(ev.get("feasible", True)), "mfu": ev.get("mfu"), "compute_s": ev.get("compute_s"),
+            "optimizer_s": ev.get("optimizer_s"), "pipeline_bubble": ev.get("bubble") or 0.0,
+            "comm_s": sum(v.get("time_s", 0.0) for v in comm.values()),
+            "comm_exposed_s": sum(v.get("exposed_s", 0.0) for v in comm.values()),
+            "memory_bytes": dict(ev.get("memory") or {})}
+
+
+def _joint(global_gm, mesh_or_world, hw, *, batch, pins, memory_limit, top) -> tuple[list[Candidate], Any]:
+    """The joint planner's plan and its alternatives. Alternatives come back from the planner
+    as summaries; they are Plans here with mesh, ZeRO stage, micro-batches, schedule, split
+    points and recompute set, marked `extra["partial"]` until `materialise` re-plans them with
+    those as pins (which fills in the sharding)."""
+    from autopar.search.planner import plan_for  # noqa: PLC0415 - optional
+
+    plan, report = plan_for(global_gm, mesh_or_world, hw, pins=pins or None, memory_limit=memory_limit,
+                            global_batch=batch, top_k=max(top, 1))
+    pred = {**_joint_pred(report.chosen, hw), **{k: v for k, v in plan.predicted.items() if k != "source"}}
+    cands = [Candidate(plan, pred)]
+    for ev in report.alternatives[1:]:
+        c = ev["candidate"]
+        mesh = {a: int(c[a]) for a in ("pp", "dp", "ep", "tp") if int(c.get(a, 1)) > 1} or {"dp": 1}
+        if "dp" not in mesh:
+            mesh = {**({"pp": mesh["pp"]} if "pp" in mesh else {}), "dp": 1,
+                    **{a: v for a, v in mesh.items() if a != "pp"}}
+        p = Plan(mesh=mesh, dp_axis="dp", zero_stage=int(c["zero_stage"]) if c["dp"] > 1 else 0,
+                 n_microbatches=int(c["n_microbatches"]), schedule=c["schedule"] if c["pp"] > 1 else None,
+                 split_points=list(ev.get("split_points") or []),
+                 recompute={u: "full" for u in (ev.get("recompute") or {})})
+        p.extra["partial"] = ("an alternative as the joint planner summarised it: materialise() re-plans it "
+                              "with these choices pinned to fill in its sharding")
+        p.extra["joint_pins"] = {k: v for k, v in {
+            "tp": c["tp"], "pp": c["pp"], "dp": c["dp"], "ep": c.get("ep", 1), "zero_stage": p.zero_stage,
+            "n_microbatches": p.n_microbatches, "schedule": p.schedule,
+            "split_points": p.split_points or None}.items() if v is not None}
+        p.predicted = _jsonable(_joint_pred(ev, hw))
+        cands.append(Candidate(p, dict(p.predicted)))
+    return cands, report
+
+
+def materialise(result: "PlanResult", i: int) -> Plan:
+    """Candidate i of `result` as a complete Plan (the joint planner's alternatives are re-planned
+    with their choices pinned; other candidates are complete already)."""
+    c = result.candidates[i]
+    if "partial" not in c.plan.extra:
+        return c.plan
+    from autopar.search.planner import plan_for  # noqa: PLC0415
+
+    pins = dict(c.plan.extra["joint_pins"])
+    plan, _ = plan_for(result.global_gm, result.world_size, result.hardware, pins=pins,
+                       global_batch=result.batch, top_k=1)
+    plan.extra["cli"] = dict(c.plan.extra.get("cli", {}))
+    return plan
+
+
+def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, world_size: int | None = None,
+               hardware: str | Hardware = "h100-sxm", batch: int | None = None, seq: int | None = None,
+               zero_stage: int | None = None, n_microbatches: int | None = None, schedule: str | None = None,
+               memory_limit: float | None = None, top: int = 1, planner: str = "auto",
+               step: Callable[[str], None] | None = None, global_gm: fx.GraphModule | None = None) -> PlanResult:
+    """Capture `source` on meta and plan it for `mesh` (or any mesh of `world_size` ranks).
+
+    Args:
+        planner: "auto" (the joint planner when importable, else the fallback), "joint",
+            "fallback".
+        step: called with a line of progress before each stage of the work.
+        global_gm: a graph already captured at (batch, seq), to skip capturing again.
+    """
+    step = step or (lambda _msg: None)
+    hw = load_profile(hardware)
+    if (mesh is None) == (world_size is None):
+        raise ValueError("give a mesh (--mesh dp=8,tp=8) or a world size (--world-size 64), one of the two")
+    world = math.prod(mesh.values()) if mesh else int(world_size)
+    if world < 1:
+        raise ValueError(f"the world size must be >= 1, got {world}")
+    batch = batch or default_batch(world)
+    seq = seq if seq is not None else source.default_seq
+    secs: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if global_gm is None:
+        step(f"capturing {source.name} on meta (batch {batch}" + (f", seq {seq})" if seq else ")"))
+        global_gm = capture_meta(source, batch, seq)
+    secs["capture_s"] = time.perf_counter() - t0
+    pins = {k: v for k, v in {"zero_stage": zero_stage, "n_microbatches": n_microbatches,
+                              "schedule": schedule}.items() if v is not None}
+    t0 = time.perf_counter()
+    report, cands, notes = None, [], []
+    kind, why = "fallback", ""
+    if planner in ("auto", "joint"):
+        try:
+            import autopar.search.planner  # noqa: F401, PLC0415
+            kind = "joint"
+        except ImportError as e:
+            if planner == "joint":
+                raise ValueError(f"--planner joint: autopar.search.planner does not import ({e})") from None
+            why = f"autopar.search.planner is not importable ({e})"
+    if kind == "joint":
+        step("searching with the joint planner")
+        try:
+            cands, report = _joint(global_gm, dict(mesh) if mesh else world, hw, batch=batch, pins=pins,
+                                   memory_limit=memory_limit, top=top)
+            note = "joint planner (autopar.search.planner.plan_for): mesh, sharding, stages, ZeRO, recompute at once"
+        except ValueError:
+            raise  # the request itself is impossible: the planner's message says why
+        except Exception as e:  # noqa: BLE001 - a planner bug must not stop planning; it is reported
+            if planner == "joint":
+                raise
+            kind, why = "fallback", f"the joint planner failed ({type(e).__name__}: {str(e)[:200]})"
+    if kind != "joint":
+        from autopar.passes.split_pipeline import pipeline_units
+
+        meshes = [dict(mesh)] if mesh else meshes_for(world, hw, len(pipeline_units(global_gm)))
+        cands, notes = _fallback(global_gm, meshes, hw, batch=batch, zero_stage=zero_stage,
+                                 n_microbatches=n_microbatches, schedule=schedule or "1f1b",
+                                 memory_limit=memory_limit, step=step)
+        what = "the given mesh" if mesh else f"{len(meshes)} meshes of {world} ranks"
+        note = (f"fallback: {what} planned as autopar.parallelize does (sharding ILP on tp, stage DP on pp), "
+                f"ZeRO stages enumerated, each costed by autopar.cost.estimate"
+                + (f"; {why}" if why else ""))
+    secs["search_s"] = time.perf_counter() - t0
+    if not cands:
+        raise ValueError("no plan is possible: " + "; ".join(notes or ["the search returned nothing"]))
+    order = sorted(range(len(cands)), key=lambda i: (not cands[i].fits, cands[i].step_s, i))
+    cands = [cands[i] for i in order]
+    stamp = {"model": source.text, "batch": batch, "seq": seq, "hardware": hw.name, "planner": kind}
+    for c in cands:
+        c.plan.extra["cli"] = dict(stamp)
+    if not cands[0].fits:
+        notes.append(f"no candidate fits: the best needs {cands[0].peak_bytes / 2**30:.1f} GiB per rank of "
+                     f"{cands[0].predicted.get('capacity_bytes', 0) / 2**30:.1f} GiB; use more ranks, pp or ZeRO-3")
+    return PlanResult(source, hw, kind, note, global_gm, batch, seq, cands, secs, notes, report, world)
+
+
+# ------------------------------------------------------------------------ helpers
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{a}={s}" for a, s in mesh.items())
+
+
+def _jsonable(x: Any) -> Any:
+    """numpy scalars and tuples made plain for json."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item) and not isinstance(x, torch.Tensor):
+        return x.item()
+    if isinstance(x, float) and math.isinf(x):
+        return None
+    return x

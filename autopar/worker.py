@@ -1,0 +1,409 @@
+"""What a launched rank runs for the command line: `python -m autopar.worker job.json` under
+torchrun (or `run_job(job)` inside a forked gloo world).
+
+A job is a JSON file, one of:
+  {"kind": "bench", ...}       the microbenchmarks of `autopar tune`: compute on every rank at
+                               once (as training loads the machine), then each collective on
+                               each axis of each listed mesh over message sizes
+  {"kind": "candidates", ...}  run plans for a few real steps each: step time (of each step the
+                               slowest rank; the median of the timed steps; on CPU the plans'
+                               steps interleaved so that each meets the same load) and peak
+                               memory per rank
+  {"kind": "train", ...}       train a model under a plan for N steps (`autopar run`)
+
+Results go to files under the job's "out" folder, one per finished item, written by rank 0,
+so an interrupted job resumes where it stopped (rank 0 decides what is left and tells the
+others). Rank 0 also appends progress events, one JSON object a line, to the job's
+"progress" file; the launcher reads them to move its progress bars.
+
+Reads and writes no node.meta keys.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+# ------------------------------------------------------------------------ plumbing
+class Events:
+    """Rank 0's progress log (a no-op on other ranks)."""
+
+    def __init__(self, path: str | None):
+        self.path = path if (path and (not dist.is_initialized() or dist.get_rank() == 0)) else None
+
+    def __call__(self, **event: Any) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(event) + "\n")
+
+
+def _write(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a killed job leaves no half-written result
+
+
+def _agree(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        return "cuda"
+    return "cpu"
+
+
+# ------------------------------------------------------------------------ bench
+def coll_file(out: Path, mesh: dict[str, int], axis: str, op: str) -> Path:
+    tag = "_".join(f"{a}{s}" for a, s in mesh.items())
+    return out / "bench" / f"coll_{tag}_{axis}_{op}.json"
+
+
+def bench(job: dict[str, Any]) -> None:
+    from autopar.microbench import COLLECTIVE_OPS, compute_suite, run_collective, run_compute
+    from autopar.runtime.mesh import Mesh
+
+    out, ev = Path(job["out"]), Events(job.get("progress"))
+    device = _device()
+    rank = dist.get_rank()
+    todo = None
+    if rank == 0:
+        todo = {"compute": not (out / "bench" / "compute.json").exists(),
+                "coll": [(m, a, op) for m in job["meshes"] for a, s in m.items() if s > 1 for op in COLLECTIVE_OPS
+                         if not coll_file(out, m, a, op).exists()]}
+    todo = _agree(todo)
+    if todo["compute"]:
+        items = compute_suite(device, job.get("quick", True))
+        ev(task="compute", total=len(items), desc="compute microbenchmarks")
+        results = []
+        for it in items:
+            dist.barrier()
+            results.append(run_compute(it, device))
+            ev(task="compute", advance=1, desc=f"{it['kind']} {it['dtype']} {it.get('shape', it.get('numel'))}")
+        if rank == 0:
+            _write(out / "bench" / "compute.json", {"device": device, "threads": torch.get_num_threads(),
+                                                    "world_size": dist.get_world_size(), "items": results})
+    sizes = job["sizes"]
+    ev(task="collectives", total=len(todo["coll"]) * len(sizes), desc="collectives")
+    meshes: dict[str, Mesh] = {}
+    for mesh, axis, op in todo["coll"]:
+        key = json.dumps(mesh)
+        if key not in meshes:
+            meshes[key] = Mesh(dict(mesh), device_type=device)
+        group = meshes[key].group(axis)
+        rows = []
+        for s in sizes:
+            rows.append(run_collective({"kind": "collective", "op": op, "payload": s, "axis": axis,
+                                        "mesh": mesh}, group, device))
+            ev(task="collectives", advance=1, desc=f"{op} on {axis} ({s} B)")
+        if rank == 0:
+            _write(coll_file(out, mesh, axis, op), {"mesh": mesh, "axis": axis, "op": op, "items": rows})
+
+
+# ------------------------------------------------------------------------ running plans
+def _held_tensor_bytes(root: Any) -> float:
+    """Bytes of the CPU tensor storages reachable from `root` (each storage once): what one
+    plan's model, optimizer and runtime hold. The walk follows containers, objects and closures,
+    never a function's module globals (which would reach everything in the process)."""
+    import types
+
+    seen: set[int] = set()
+    storages: set[int] = set()
+    total = 0
+    stack = [root]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            try:
+                if o.device.type == "cpu" and not o.is_meta:
+                    st = o.untyped_storage()
+                    if st.data_ptr() and st.data_ptr() not in storages:
+                        storages.add(st.data_ptr())
+                        total += st.nbytes()
+            except Exception:  # noqa: BLE001 - fake or otherwise unusual tensors own no CPU memory
+                pass
+            if o.grad is not None:
+                stack.append(o.grad)
+            continue
+        if isinstance(o, types.FunctionType):
+            stack += [c.cell_contents for c in (o.__closure__ or ()) if _cell_ok(c)] + list(o.__defaults__ or ())
+            continue
+        if isinstance(o, types.MethodType):
+            stack.append(o.__self__)
+            continue
+        stack += gc.get_referents(o)
+    return float(total)
+
+
+def _cell_ok(c) -> bool:
+    try:
+        c.cell_contents
+        return True
+    except ValueError:
+        return False
+
+
+def _cpu_step_peak(step, holder: Any) -> float:
+    """Peak CPU tensor memory of one plan during `step()`: the tensors `holder` holds before it
+    plus the largest rise the profiler's allocation events show during it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    base = _held_tensor_bytes(holder)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                    for e in prof.events() if (e.cpu_memory_usage if e.name == "[memory]" else
+                                               e.self_cpu_memory_usage))
+    cur = peak = 0.0
+    for _t, d in events:
+        cur += d
+        peak = max(peak, cur)
+    return base + peak
+
+
+class Session:
+    """One plan built on this rank (model, parallelize, optimizer, batches), stepped on demand."""
+
+    def __init__(self, source, plan, *, batch: int, seq: int | None, n_batches: int, hardware: str | None,
+                 device: str, lr: float = 1e-3):
+        import autopar
+
+        self.source, self.device = source, device
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = source.build()
+        x0, _ = source.example_batch(batch, seq_len=seq, generator=torch.Generator().manual_seed(1), device=device)
+        t0 = time.perf_counter()
+        self.pm = autopar.parallelize(model, autopar.mesh(**plan.mesh, device_type=device), example_inputs=x0,
+                                      plan=plan, hardware=hardware)
+        self.setup_s = time.perf_counter() - t0
+        self.opt = autopar.optimizer(self.pm, torch.optim.AdamW, lr=lr)
+        g = torch.Generator().manual_seed(2)
+        self.data = [source.example_batch(batch, seq_len=seq, generator=g, device=device) for _ in range(n_batches)]
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.losses: list[float] = []
+        self.i = 0
+
+    def _one(self):
+        loss = self.pm.step(self.data[self.i % len(self.data)], self.source.loss_fn)
+        self.opt.step()
+        self.opt.zero_grad()
+        self.i += 1
+        return loss
+
+    def step(self, timed: bool = True) -> None:
+        """One training step, started together on every rank; its time recorded when `timed`."""
+        dist.barrier()
+        t, c = time.perf_counter(), time.process_time()
+        loss = self._one()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        if timed:
+            self.wall.append(time.perf_counter() - t)
+            self.cpu.append(time.process_time() - c)
+        self.losses.append(float(loss.item()))
+
+    def memory(self) -> float:
+        """Peak memory of one more step on this rank (bytes)."""
+        dist.barrier()
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            self._one()
+            torch.cuda.synchronize()
+            return float(torch.cuda.max_memory_allocated())
+        return _cpu_step_peak(self._one, (self.pm, self.opt))
+
+    def result(self, peak: float | None) -> dict[str, Any]:
+        """The measurements, the same on every rank (a step ends when its slowest rank does)."""
+        wall = torch.tensor(self.wall, dtype=torch.float64)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        busy = torch.tensor(self.cpu, dtype=torch.float64)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+        w, b = wall.tolist(), busy.tolist()
+        known = [p for p in peaks if p is not None and p == p]
+        return {"step_s": statistics.median(w) if w else None, "step_s_all": w, "step_s_min": min(w) if w else None,
+                "cpu_s_median": statistics.median(b) if b else None, "losses": self.losses,
+                "peak_bytes_per_rank": peaks, "peak_bytes": max(known) if known else None, "setup_s": self.setup_s,
+                "world_size": dist.get_world_size(), "device": self.device}
+
+
+def run_plan(source, plan, *, batch: int, seq: int | None, warmup: int, steps: int, hardware: str | None,
+             device: str, measure_memory: bool = True, lr: float = 1e-3, ev=None) -> dict[str, Any]:
+    """Train `source` under `plan` for warmup + steps steps; returns the measurements (every rank)."""
+    ev = ev or (lambda **_: None)
+    s = Session(source, plan, batch=batch, seq=seq, n_batches=warmup + steps + 1, hardware=hardware, device=device,
+                lr=lr)
+    for i in range(warmup + steps):
+        s.step(timed=i >= warmup)
+        ev(task="steps", advance=1, desc=f"step {i + 1}/{warmup + steps}")
+    peak = s.memory() if measure_memory else None
+    return s.result(peak)
+
+
+def _fail(c: dict, e: BaseException) -> dict[str, Any]:
+    return {"id": c["id"], "ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+
+
+def _agree_errors(res: dict[str, Any]) -> dict[str, Any]:
+    """A result that failed on any rank fails on all (rank 0 writes it)."""
+    errs = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, res.get("error"))
+    first = next((e for e in errs if e), None)
+    if first and res.get("ok", True):
+        return {"id": res["id"], "ok": False, "error": "failed on another rank: " + first}
+    return res
+
+
+def candidates(job: dict[str, Any]) -> None:
+    """Run the job's plans. With `interleave` (the default on CPU, where the machine's load drifts)
+    every plan is built first and the timed steps go round-robin over the plans, so that each
+    plan's steps meet the same load; otherwise (GPUs: one plan's memory at a time) plan after
+    plan."""
+    from autopar.model_source import resolve
+    from autopar.passes.plan import Plan
+
+    out, ev = Path(job["out"]), Events(job.get("progress"))
+    device = _device()
+    source = resolve(job["model"])
+    todo = None
+    if dist.get_rank() == 0:
+        todo = [c for c in job["plans"] if not (out / "runs" / f"{c['id']}.json").exists()]
+    todo = _agree(todo)
+    warmup, steps = job["warmup"], job["steps"]
+    interleave = job.get("interleave", device == "cpu")
+    ev(task="runs", total=len(todo) * (warmup + steps + 1), desc="running plans")
+    opts = dict(batch=job["batch"], seq=job["seq"], n_batches=warmup + steps + 1, hardware=job.get("hardware"),
+                device=device)
+
+    def finish(c, res):
+        res = _agree_errors(res)
+        if dist.get_rank() == 0:
+            _write(out / "runs" / f"{c['id']}.json", res)
+        ev(task="runs", event="done", id=c["id"], ok=res["ok"])
+
+    if not interleave:
+        for c in todo:
+            ev(task="runs", event="start", id=c["id"], desc=f"{c['id']}: building")
+            try:
+                s = Session(source, Plan.from_json(Path(c["path"]).read_text()), **opts)
+                for i in range(warmup + steps):
+                    s.step(timed=i >= warmup)
+                    ev(task="runs", advance=1, desc=f"{c['id']}: step {i + 1}/{warmup + steps}")
+                res = {**s.result(s.memory()), "id": c["id"], "ok": True}
+                ev(task="runs", advance=1, desc=f"{c['id']}: memory step")
+                del s
+            except Exception as e:  # noqa: BLE001 - recorded; the other plans still run
+                res = _fail(c, e)
+            finish(c, res)
+        return
+    sessions: dict[str, Session | dict] = {}
+    for c in todo:
+        ev(task="runs", event="start", id=c["id"], desc=f"{c['id']}: building")
+        try:
+            sessions[c["id"]] = Session(source, Plan.from_json(Path(c["path"]).read_text()), **opts)
+        except Exception as e:  # noqa: BLE001 - recorded; the other plans still run
+            sessions[c["id"]] = _fail(c, e)
+        built = [None] * dist.get_world_size()
+        dist.all_gather_object(built, isinstance(sessions[c["id"]], Session))
+        if not all(built) and isinstance(sessions[c["id"]], Session):
+            sessions[c["id"]] = {"id": c["id"], "ok": False, "error": "failed on another rank while building"}
+    live = [c for c in todo if isinstance(sessions[c["id"]], Session)]
+    for i in range(warmup + steps):
+        for c in live:
+            ev(task="runs", event="start", id=c["id"], desc=f"{c['id']}: step {i + 1}/{warmup + steps}")
+            sessions[c["id"]].step(timed=i >= warmup)
+            ev(task="runs", advance=1, desc=f"{c['id']}: step {i + 1}/{warmup + steps}")
+    for c in todo:
+        s = sessions[c["id"]]
+        if isinstance(s, Session):
+            ev(task="runs", event="start", id=c["id"], desc=f"{c['id']}: memory step")
+            res = {**s.result(s.memory()), "id": c["id"], "ok": True, "interleaved_with": len(live)}
+            ev(task="runs", advance=1, desc=f"{c['id']}: memory step")
+        else:
+            res = s
+        finish(c, res)
+        sessions[c["id"]] = res  # drop the plan's model and groups while the world is still up
+    del s
+    gc.collect()
+    dist.barrier()
+
+
+# ------------------------------------------------------------------------ train (autopar run)
+def train(job: dict[str, Any]) -> None:
+    from autopar.model_source import resolve
+    from autopar.passes.plan import Plan
+
+    device = _device()
+    source = resolve(job["model"])
+    plan = Plan.from_json(Path(job["plan"]).read_text())
+    res = run_plan(source, plan, batch=job["batch"], seq=job["seq"], warmup=0, steps=job["steps"],
+                   hardware=job.get("hardware"), device=device, measure_memory=False, lr=job.get("lr", 1e-3))
+    if dist.get_rank() == 0:
+        print(f"trained {source.name} on {plan.mesh} for {job['steps']} steps ({device}, "
+              f"world {res['world_size']}, setup {res['setup_s']:.1f} s)")
+        print(f"{'step':>4}  {'loss':>10}  {'time':>10}")
+        for i, (loss, t) in enumerate(zip(res["losses"], res["step_s_all"])):
+            print(f"{i:>4}  {loss:>10.4f}  {t * 1e3:>7.1f} ms")
+        sys.stdout.flush()
+        if job.get("result"):
+            _write(Path(job["result"]), {k: v for k, v in res.items()})
+
+
+JOBS = {"bench": bench, "candidates": candidates, "train": train}
+
+
+def run_job(job: dict[str, Any]) -> None:
+    """Run `job` on this rank (torch.distributed must be initialised)."""
+    try:
+        fn = JOBS[job["kind"]]
+    except KeyError:
+        raise ValueError(f"unknown job kind {job.get('kind')!r}; known: {sorted(JOBS)}") from None
+    fn(job)
+
+
+def forked(rank: int, world_size: int, job: dict[str, Any]) -> None:
+    """Entry for `autopar.runtime.launch.run_world` (the fork launcher)."""
+    run_job(job)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: torchrun ... -m autopar.worker JOB.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text())
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    import datetime
+
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(job.get("timeout_s", 300))))
+    try:
+        run_job(job)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
