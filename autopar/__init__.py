@@ -11,3 +11,9 @@ from autopar.passes.plan import Plan
 
 __all__ = ["mesh", "parallelize", "optimizer", "sampler", "capture", "CaptureError", "Plan", "ParallelModel"]
 __version__ = "0.1.0"
+from autopar.checkpoint_api import (CheckpointError, RankUnresponsiveError, bounded_mesh, export_state_dict,  # noqa: E402
+                                    fault_guard, import_state_dict, init_restartable, latest_checkpoint, load, save,
+                                    verify_checkpoint)
+
+__all__ += ["save", "load", "latest_checkpoint", "verify_checkpoint", "export_state_dict", "import_state_dict",
+            "fault_guard", "bounded_mesh", "init_restartable", "CheckpointError", "RankUnresponsiveError"]

@@ -22,6 +22,7 @@ from autopar.capture import capture
 from autopar.passes import ir
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
+from autopar.passes.expert import expert
 from autopar.passes.fuse import fuse
 from autopar.passes.plan import Plan
 from autopar.passes.recompute import recompute
@@ -144,7 +145,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     fusions_pinned = plan is not None or "fusions" in (pins or {})
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    dp = plan.dp
+    dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
     for t in pytree.tree_leaves(args):
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % (dp * plan.n_microbatches):
             raise ValueError(f"the example batch has {t.shape[0]} rows, which does not divide by "
@@ -162,6 +163,14 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))
+    if mesh.size("ep") > 1 and "expert" not in plan.extra:
+        if mesh.size("pp") > 1:
+            raise ValueError("expert parallelism with pipeline parallelism is not wired yet; use a mesh without pp")
+        from autopar.search.expert import plan_experts  # noqa: PLC0415
+
+        plan.extra["expert"] = plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches,
+                                            hardware=hardware or _hardware(mesh))
+        plan.notes += plan.extra["expert"]["notes"]
     if fusions_pinned:
         from autopar.passes.rules.fusion_table import selection  # noqa: PLC0415
 
@@ -171,7 +180,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         _search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
                         1 if static else dp * plan.n_microbatches)
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, zero, fuse], dump_dir=dump_dir)
+    pm = PassManager([split_batch, shard, expert, zero, fuse], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
         from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
@@ -205,6 +214,15 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             pipe = plan.extra["pipeline"]
             plan.predicted.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
                                   peak_bytes_per_pp_rank=pipe["rank_memory_bytes"])
+    elif mesh.size("ep") > 1:
+        from autopar.runtime.moe import ExpertProgram  # noqa: PLC0415
+
+        program = ExpertProgram(local_gm, mesh, ep_axis="ep",
+                                expert_params=local_gm.meta["autopar_expert"]["expert_params"],
+                                dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
+                                in_spec=global_gm.meta.get("autopar_in_spec"),
+                                out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
+                                engine_options=engine_options)
     else:
         program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
                           in_spec=global_gm.meta.get("autopar_in_spec"),
@@ -229,9 +247,11 @@ def sampler(dataset, mesh: Mesh, *, shuffle: bool = True, seed: int = 0, drop_la
     Use it when each rank loads its own part; `model.step` also accepts the global batch."""
     from torch.utils.data import DistributedSampler
 
-    dp = mesh.size("dp")
-    index = mesh.local_rank("dp") if dist.is_initialized() else 0
-    return DistributedSampler(dataset, num_replicas=dp, rank=index, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    dp, ep = mesh.size("dp"), mesh.size("ep")  # expert parallel ranks read different samples too
+    index = (mesh.local_rank("dp") if dp > 1 else 0) * ep + (mesh.local_rank("ep") if ep > 1 else 0) \
+        if dist.is_initialized() else 0
+    return DistributedSampler(dataset, num_replicas=dp * ep, rank=index, shuffle=shuffle, seed=seed,
+                              drop_last=drop_last)
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -239,11 +259,11 @@ SHARD_AXES = ("tp",)
 
 
 def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches) -> Plan:
-    others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "pp") + SHARD_AXES and s > 1}
+    others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "pp", "ep") + SHARD_AXES and s > 1}
     if plan is None:
         if others:
-            raise ValueError(f"{mesh} has axes {others}; this version parallelises over dp, tp and pp "
-                             "(expert parallelism needs its pass). Use autopar.mesh(dp=N, tp=M, pp=K)")
+            raise ValueError(f"{mesh} has axes {others}; this version parallelises over dp, tp, pp and ep. "
+                             "Use autopar.mesh(dp=N, tp=M, pp=K, ep=E)")
         plan = Plan(mesh=dict(mesh.sizes), dp_axis="dp" if "dp" in mesh.sizes else None)
         if mesh.size("dp") > 1:
             plan.notes.append(f"data parallel over dp={mesh.size('dp')}: the batch is split along dim 0")

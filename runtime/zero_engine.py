@@ -273,9 +273,13 @@ class EngineBase:
         grads = [g for gs in groups.values() for g in gs]
         dev = grads[0].device if grads else self.device
         sharded = self.stage >= 1 and self.k > 1
-        mp_axes = sorted({a for axes in groups for a in axes if self.mesh.size(a) > 1})
-        # every rank takes part in the same reductions, whatever parameters it holds
-        keys = [()] + [tuple(a for a in mp_axes)] if mp_axes else [()]
+        # one part per distinct set of model-parallel axes, taken from the (rank-independent)
+        # model_parallel map so that every rank makes the same reductions in the same order
+        def live(axes):
+            return tuple(a for a in axes if self.mesh.size(a) > 1)
+
+        keys = [()] + sorted({live(v) for v in self.model_parallel.values()} - {()})
+        mp_axes = sorted({a for k in keys for a in k})
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max().float() if grads else \
                 torch.zeros((), device=dev)
@@ -288,18 +292,18 @@ class EngineBase:
         else:
             parts = []
             for key in keys:
-                gs = [g for axes, lst in groups.items() for g in lst
-                      if (tuple(a for a in axes if a in mp_axes) == key)]
+                gs = [g for axes, lst in groups.items() for g in lst if live(axes) == key]
                 parts.append(sum((g.float().abs().pow(norm_type).sum() for g in gs), torch.zeros((), device=dev)))
             t = torch.stack(parts).to(self.device)
             if sharded:
                 C.all_reduce_(t, self.axis, "sum")
-            if len(parts) > 1:  # the model-parallel part: summed over the axes that shard it
-                mp = t[1:].clone()
-                for a in mp_axes:
-                    C.all_reduce_(mp, a, "sum")
-                t = torch.cat([t[:1], mp])
-            total = t.sum().to(dev).pow(1.0 / norm_type)
+            out = [t[0]]
+            for i, key in enumerate(keys[1:], start=1):  # each part summed over the axes that shard it
+                part = t[i:i + 1].clone()
+                for a in key:
+                    C.all_reduce_(part, a, "sum")
+                out.append(part[0])
+            total = torch.stack(out).sum().to(dev).pow(1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))

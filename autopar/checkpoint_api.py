@@ -1,0 +1,175 @@
+"""Checkpoints of parallelised models: the user's entry points over runtime/checkpoint.py.
+
+    autopar.save(model, "ckpt/step_100", optimizer=opt, step=100)        # collective, atomic
+    h = autopar.save(model, "ckpt/step_200", optimizer=opt, async_save=True); ...; h.wait()
+    autopar.load(model, autopar.latest_checkpoint("ckpt"), optimizer=opt)  # any plan wrote it
+    autopar.export_state_dict(model, "model.safetensors")   # loads into the original nn.Module
+    autopar.import_state_dict(model, "hf_dir/")              # each rank reads only its pieces
+
+A checkpoint written under one plan loads under any other (dp, tp, pp, ZeRO stage, mesh
+size): this layer hands the runtime what it cannot know — the plan's tensor-parallel layouts,
+the unsharded shapes and the tied names of the captured model — as plain data.
+
+Faults: `init_restartable()` starts a torchrun job so that `--max-restarts` can restart it;
+`fault_guard(timeout_s)` names a rank that stopped answering when a collective fails;
+`bounded_mesh(timeout_s, dp=.., tp=..)` is `autopar.mesh` whose groups time out, so that a
+collective waiting on such a rank does fail (and in bounded time).
+
+It reads and writes no `node.meta` keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime import checkpoint as ck
+from autopar.runtime.checkpoint import CheckpointError, SaveHandle, latest_checkpoint, verify_checkpoint
+from autopar.runtime.faults import FaultGuard, RankUnresponsiveError, bounded_device_mesh, init_restartable
+from autopar.runtime.mesh import Mesh, make_mesh
+
+__all__ = ["save", "load", "latest_checkpoint", "verify_checkpoint", "export_state_dict", "import_state_dict",
+           "fault_guard", "bounded_mesh", "init_restartable", "CheckpointError", "RankUnresponsiveError",
+           "SaveHandle"]
+
+
+def _model_info(model) -> dict[str, Any]:
+    """Layouts, unsharded shapes and tied-name groups of a ParallelModel, as plain data."""
+    from autopar.api import ParallelModel  # noqa: PLC0415 - api imports this module's users
+
+    if not isinstance(model, ParallelModel):
+        raise TypeError(f"expected the model returned by autopar.parallelize, got {type(model).__name__}; "
+                        "for a plain nn.Module use torch.distributed.checkpoint or torch.save directly")
+    gm = model.global_graph
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_id: dict[int, list[str]] = {}
+    for n, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        shapes[n] = tuple(t.shape)
+        by_id.setdefault(id(t), []).append(n)
+    return {"layouts": dict(model.plan.param_layouts), "global_shapes": shapes,
+            "aliases": [sorted(g) for g in by_id.values() if len(g) > 1]}
+
+
+def _with_optimizer(model, optimizer) -> bool:
+    if optimizer is None:
+        return False
+    if optimizer is not getattr(model.engine, "optimizer", None):
+        raise ValueError("optimizer is not the one autopar.optimizer(model, ...) made for this model; pass that "
+                         "optimizer (or none, to save or load the model alone)")
+    return True
+
+
+def save(model, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+         extra: Mapping[str, Any] | None = None, async_save: bool = False, overwrite: bool = False) -> SaveHandle:
+    """Save `model` (and `optimizer`, made by autopar.optimizer) into the directory `path`.
+
+    Collective: call it on every rank. Atomic: the directory appears complete or not at all.
+    `step` and `extra` (JSON data) come back from `load`. With `async_save`, tensors are copied
+    to CPU memory and written in the background: the returned handle's `wait()` finishes it
+    (the next save or load waits for it too)."""
+    info = _model_info(model)
+    return ck.save_checkpoint(os.fspath(path), model.engine, model.mesh, **info,
+                              optimizer=_with_optimizer(model, optimizer), step=step, extra=extra,
+                              plan=json.loads(model.plan.to_json()), async_save=async_save, overwrite=overwrite)
+
+
+def load(model, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
+         verify: str = "full") -> dict[str, Any]:
+    """Load a checkpoint written under any plan into `model` (and `optimizer`).
+
+    Collective. The checkpoint is checked first (`verify`: "full" = sizes and SHA-256 of every
+    file, "size", "none"); a damaged one raises CheckpointError naming the bad files. Returns
+    {"step", "extra", "mesh", "plan"} as saved."""
+    if path is None:
+        raise ValueError("no checkpoint path given (latest_checkpoint(root) returns None when the root has "
+                         "no complete checkpoint)")
+    info = _model_info(model)
+    m = ck.load_checkpoint(os.fspath(path), model.engine, model.mesh, **info,
+                           optimizer=_with_optimizer(model, optimizer), strict=strict, verify=verify)
+    return {"step": m.get("step"), "extra": m.get("extra", {}), "mesh": m.get("mesh"), "plan": m.get("plan")}
+
+
+def export_state_dict(source, path: str | os.PathLike | None = None, *, dtype: torch.dtype | None = None,
+                      like: torch.nn.Module | Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict of the original, unparallelised model (tied names included), from a
+    ParallelModel (collective; goes through a temporary checkpoint beside `path`, which every
+    rank must see) or from a checkpoint directory (one process). Written to `path` when given:
+    safetensors for `.safetensors`, else torch.save. Returns the dict on rank 0, {} elsewhere.
+
+    `like`: the original model (or its state dict): keep exactly its keys, so that
+    `model.load_state_dict(...)` is strict-clean (a captured graph keeps buffers the original
+    marks non-persistent, such as RoPE tables); ValueError naming keys the export lacks."""
+    if isinstance(source, (str, os.PathLike)):
+        sd = _keep_like(ck.read_full_state_dict(os.fspath(source), dtype=dtype), like)
+        if path is not None:
+            ck.write_state_dict(sd, os.fspath(path))
+        return sd
+    info = _model_info(source)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    token = ck.agree(os.urandom(6).hex() if rank == 0 else None)
+    if path is not None:
+        base = os.path.abspath(os.fspath(path))
+        tmp = os.path.join(os.path.dirname(base), f".{os.path.basename(base)}.export-{token}")
+    else:
+        tmp = os.path.join(ck.agree(_tempdir() if rank == 0 else None), f"autopar-export-{token}")
+    ck.save_checkpoint(tmp, source.engine, source.mesh, **info, optimizer=False)
+    sd, err = {}, None
+    if rank == 0:
+        try:
+            sd = _keep_like(ck.read_full_state_dict(tmp, verify="size", dtype=dtype), like)
+            if path is not None:
+                ck.write_state_dict(sd, os.fspath(path))
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            err = f"{type(e).__name__}: {e}"
+        shutil.rmtree(tmp, ignore_errors=True)
+    err = ck.agree(err)
+    if err:
+        raise RuntimeError(f"exporting the state dict failed on rank 0: {err}")
+    return sd
+
+
+def _keep_like(sd: dict[str, torch.Tensor], like) -> dict[str, torch.Tensor]:
+    if like is None:
+        return sd
+    keys = list(like.state_dict().keys() if isinstance(like, torch.nn.Module) else like.keys())
+    lacking = [k for k in keys if k not in sd]
+    if lacking:
+        raise ValueError(f"the exported state has no {lacking[:10]}; `like` is not the model that was parallelised")
+    return {k: sd[k] for k in keys}
+
+
+def _tempdir() -> str:
+    import tempfile  # noqa: PLC0415
+
+    return tempfile.gettempdir()
+
+
+def import_state_dict(model, source, *, strict: bool = True,
+                      key_map: Mapping[str, str] | Callable[[str], str] | None = None) -> list[str]:
+    """Fill `model`'s parameters and buffers from a plain state dict: a mapping, a `.safetensors`
+    file, a directory of safetensors shards (a transformers checkpoint) or a `.pt`/`.bin` file.
+    Every rank reads only the slices it holds; nothing holds the full model. `key_map` renames
+    (our name -> the source's). Tied names fall back to each other. Returns the names filled."""
+    info = _model_info(model)
+    return ck.import_state(model.engine, model.mesh, source, **info, key_map=key_map, strict=strict)
+
+
+def fault_guard(timeout_s: float = 30.0) -> FaultGuard:
+    """A context for each training step: when a collective inside fails, the surviving ranks
+    raise RankUnresponsiveError naming the ranks that stopped answering (within `timeout_s`).
+    Collective to create. Pair it with `bounded_mesh` so that waiting collectives do fail."""
+    if not dist.is_initialized():
+        raise ValueError("fault_guard needs a running job (torch.distributed initialised, e.g. under torchrun)")
+    return FaultGuard(timeout_s)
+
+
+def bounded_mesh(timeout_s: float, *, device_type: str | None = None, **axes: int) -> Mesh:
+    """`autopar.mesh(**axes)` whose process groups time out after `timeout_s`, so that a
+    collective waiting on a rank that stopped answering fails instead of waiting 30 minutes."""
+    shape = make_mesh(device_type=device_type, **axes)
+    dm = bounded_device_mesh(shape.sizes, timeout_s, shape.device_type)
+    return make_mesh(device_mesh=dm)

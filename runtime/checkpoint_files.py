@@ -1,0 +1,337 @@
+"""The on-disk side of autopar checkpoints (runtime/checkpoint.py writes and reads them).
+
+A checkpoint is a directory: DCP's files (`.metadata`, `__<rank>_<n>.distcp`), `plan.json`,
+and `autopar_manifest.json` — format, step, user `extra`, mesh, layouts, optimizer
+hyper-parameters and non-tensor state, loss scaler, and the size and SHA-256 of every file.
+Each rank hashes the files it wrote; rank 0 writes the manifest (fsync'd) into the hidden
+temporary directory and only then renames it into place, so a directory with a manifest is
+complete, and a crash leaves at most a hidden `.<name>.tmp-<token>` directory.
+
+Reading trusts nothing it has not checked: `verify_checkpoint` compares sizes (truncation)
+and hashes (corruption) with the manifest before DCP reads anything, splitting the hashing
+over the ranks; DCP's `.metadata` is a pickle and is read by `SafeFileSystemReader`, whose
+unpickler builds only DCP's metadata classes, torch sizes and dtypes (tensors themselves are
+read by DCP with `torch.load(weights_only=True)`); plain state dicts are read from
+safetensors (`get_slice`: only the requested piece) or `torch.load(weights_only=True,
+mmap=True)` (`StateSource`), and written atomically (`write_state_dict`).
+
+The coordination helpers (`ckpt_group`, `all_gather_object`, `agree`) run over one gloo
+group of the whole job that only checkpoints use, so a save on a background thread never
+interleaves with the training's collectives.
+
+It reads and writes no `node.meta` keys.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import json
+import os
+import pickle
+import uuid
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+
+FORMAT = "autopar-checkpoint/1"
+MANIFEST = "autopar_manifest.json"
+PLAN_FILE = "plan.json"
+_HASH_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, truncated, corrupted or incompatible."""
+
+
+# --- the checkpoint group ------------------------------------------------------------------------
+_GROUP: dict = {}
+
+
+def ckpt_group(timeout_s: float | None = None):
+    """The gloo group DCP talks over (its own, so a background save never interleaves with the
+    training's collectives)."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if _GROUP.get("world") is not world:
+        kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        _GROUP.update(world=world, group=dist.new_group(backend="gloo", **kw))
+    return _GROUP["group"]
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_gather_object(obj):
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=ckpt_group())  # our own processes' plain data, in memory
+    return out
+
+
+def agree(obj):
+    """Rank 0's `obj` on every rank (collective over the checkpoint group; plain data)."""
+    return all_gather_object(obj)[0]
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_HASH_CHUNK)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- safe metadata ----------------------------------------------------------------------------
+_META_MODULE = "torch.distributed.checkpoint.metadata"
+_SAFE = {(_META_MODULE, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                     "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+                                     "StorageMeta", "_MEM_FORMAT_ENCODING")}
+_SAFE |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+          ("torch", "Size"), ("collections", "OrderedDict")}
+_SAFE |= {("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata dataclasses, torch sizes and dtypes, and nothing else."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _SAFE or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"the checkpoint's .metadata asks to build {module}.{name}, which is not DCP "
+                              "metadata; refusing to unpickle it (a checkpoint holds tensors and DCP's "
+                              "metadata only)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader whose `.metadata` is read by an allow-list unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = os.path.join(str(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
+            raise CheckpointError(f"{path} is not readable DCP metadata ({type(e).__name__}: {e})") from None
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: str):
+    """DCP's metadata of the checkpoint at `path` (read safely)."""
+    return SafeFileSystemReader(path).read_metadata()
+
+
+# --- verification and discovery ---------------------------------------------------------------
+def read_manifest(path: str) -> dict:
+    mp = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"there is no checkpoint directory at {path!r}")
+    if not os.path.exists(mp):
+        raise CheckpointError(f"{path!r} is not a complete autopar checkpoint: {MANIFEST} is missing (a save that "
+                              "did not finish leaves none); load an earlier one, e.g. latest_checkpoint(root)")
+    try:
+        with open(mp) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{mp} is damaged ({e}); load an earlier checkpoint") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{mp} has format {m.get('format') if isinstance(m, dict) else '?'!r}, expected "
+                              f"{FORMAT!r}; it was not written by this version of autopar")
+    return m
+
+
+def _file_problems(path: str, manifest: dict, names: Iterable[str], hashes: bool) -> list[str]:
+    bad = []
+    for rel in names:
+        want = manifest["files"][rel]
+        fp = os.path.join(path, rel)
+        if not os.path.exists(fp):
+            bad.append(f"{rel}: missing")
+            continue
+        size = os.path.getsize(fp)
+        if size != want["bytes"]:
+            bad.append(f"{rel}: truncated or overwritten ({size} bytes, the manifest says {want['bytes']})")
+            continue
+        if hashes and sha256(fp) != want["sha256"]:
+            bad.append(f"{rel}: corrupted (SHA-256 differs from the manifest)")
+    return bad
+
+
+def verify_checkpoint(path: str, level: str = "full", *, collective: bool = True) -> dict:
+    """Check the checkpoint at `path` and return its manifest; CheckpointError naming every bad
+    file otherwise. `level`: "full" (sizes and SHA-256; the files are split over the ranks
+    when `collective` and torch.distributed is running), "size" (sizes only, catches
+    truncation), "none" (the manifest only)."""
+    if level not in ("full", "size", "none"):
+        raise ValueError(f"verify must be 'full', 'size' or 'none', got {level!r}")
+    m = read_manifest(path)
+    if level == "none":
+        return m
+    files = sorted(m.get("files", {}))
+    if ".metadata" not in files:
+        raise CheckpointError(f"{path!r}: the manifest lists no .metadata; the checkpoint is incomplete")
+    spread = collective and dist.is_initialized() and dist.get_world_size() > 1
+    mine = files[rank()::world()] if spread else files
+    bad = _file_problems(path, m, mine, level == "full")
+    if spread:
+        bad = sorted(b for part in all_gather_object(bad) for b in part)
+    if bad:
+        raise CheckpointError(f"checkpoint {path!r} is damaged; refusing to load it: " + "; ".join(bad[:8])
+                              + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "")
+                              + ". Load an earlier checkpoint (latest_checkpoint(root) skips damaged ones)")
+    return m
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of the checkpoint directories under `root` that have a manifest, oldest
+    first; hidden (temporary) directories are skipped."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for name in os.listdir(root):
+        p = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isfile(os.path.join(p, MANIFEST)):
+            continue
+        try:
+            step = read_manifest(p).get("step")
+        except CheckpointError:
+            step = None
+        out.append((step if isinstance(step, int) else -1, p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str, verify: str = "size") -> str | None:
+    """The newest checkpoint under `root` (by step, then name) that passes `verify`; None if
+    there is none. Local (no collective): every rank sees the same files and answers alike."""
+    for _step, p in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(p, verify, collective=False)
+            return p
+        except CheckpointError:
+            continue
+    return None
+
+
+def write_state_dict(sd: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None) -> str:
+    """Write a plain state dict atomically: safetensors for a `.safetensors` path, else
+    torch.save (loadable with torch.load(weights_only=True)). Tied entries are stored as
+    separate copies (safetensors refuses shared storage)."""
+    path = os.path.abspath(str(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    seen, plain = set(), {}
+    for k, v in sd.items():
+        t = v.detach().to("cpu").contiguous()
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        plain[k] = t.clone() if ptr in seen else t
+        if ptr is not None:
+            seen.add(ptr)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(plain, tmp, metadata={"format": "pt", **dict(metadata or {})})
+    else:
+        torch.save(plain, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+class StateSource:
+    """A plain state dict to import from, read piece by piece: a mapping name -> tensor, a
+    `.safetensors` file, a directory of them (transformers' sharded checkpoints), or a
+    `.pt`/`.bin` file (memory-mapped, weights_only). Only the requested slices are read."""
+
+    def __init__(self, source: Any):
+        self._map: Mapping[str, Any] | None = None
+        self._files: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        if isinstance(source, Mapping):
+            self._map = source
+            return
+        path = os.path.abspath(str(source))
+        if os.path.isdir(path):
+            shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not shards:
+                raise ValueError(f"{path!r} has no .safetensors files; give a file, a directory of safetensors "
+                                 "shards, or a state dict")
+            for f in shards:
+                for k in self._open(os.path.join(path, f)).keys():
+                    self._files[k] = os.path.join(path, f)
+        elif path.endswith(".safetensors"):
+            for k in self._open(path).keys():
+                self._files[k] = path
+        elif os.path.isfile(path):
+            self._map = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            raise ValueError(f"there is no state dict at {path!r}")
+
+    def _open(self, f: str):
+        if f not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[f] = safe_open(f, framework="pt")
+        return self._handles[f]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map if self._map is not None else name in self._files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self._map is not None:
+            return tuple(self._map[name].shape)
+        return tuple(self._open(self._files[name]).get_slice(name).get_shape())
+
+    def read(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        idx = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        if self._map is not None:
+            t = self._map[name]
+            return t[idx] if idx else t
+        sl = self._open(self._files[name]).get_slice(name)
+        return sl[idx] if idx else sl[:]

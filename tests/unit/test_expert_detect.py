@@ -1,0 +1,286 @@
+"""Expert parallelism in one process: detection from the graph's structure, the rewrite at
+ep=1 (a local permute / un-permute, no communication) against eager, the dispatcher's
+capacity rule against models/moe.py's, and the ep cost model.
+
+Tolerances: the rewrite computes each expert on exactly its rows instead of on padded slots;
+per-row results are the same computation, so outputs and gradients agree to 1e-6.
+"""
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar import api
+from autopar.models import get
+from autopar.models.moe import MoEConfig, MoEFeedForward
+from autopar.passes.expert import expert
+from autopar.passes.pass_manager import PassContext, PassManager
+from autopar.passes.plan import Plan
+from autopar.passes.split_batch import split_batch
+from autopar.runtime import moe
+from autopar.runtime.collectives import set_active_mesh
+from autopar.runtime.mesh import Mesh
+from autopar.runtime._torch_compat import pytree
+from autopar.search.expert import (EPCost, MoEDetectError, a2a_payload_bytes, detect_moe, ep_cost, plan_experts,
+                                   rank_ep_degrees, router_stats)
+
+TOL = 1e-6
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(name: str):
+    """moe-tiny / moe-tiny-capacity / gpt-tiny captured once at batch 2 (detection only reads it)."""
+    spec = get(name)
+    torch.manual_seed(0)
+    return autopar.capture(spec.build(), spec.example_batch(2)[0])
+
+
+def _hf(kind: str, aux: bool = False):
+    import transformers
+
+    kw = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=32, use_cache=False, num_experts_per_tok=2)
+    if aux:
+        kw.update(output_router_logits=True, router_aux_loss_coef=0.02)
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=96, num_local_experts=4, **kw))
+    if kind == "qwen2-moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, **kw))
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(intermediate_size=32, num_experts=4,
+                                                                  pad_token_id=0, eos_token_id=1, **kw))
+
+
+class Blob(nn.Module):
+    """A mixture of experts with nothing of the reference's names: router `r`, experts `f`
+    (Linear-GELU-Linear with biases), no capacity. `mix_rows` makes expert 1 subtract the
+    mean over its rows, which no expert-parallel split can reproduce."""
+
+    def __init__(self, D=16, E=4, K=2, mix_rows=False):
+        super().__init__()
+        self.E, self.K, self.mix_rows = E, K, mix_rows
+        self.inp = nn.Linear(D, D)
+        self.r = nn.Linear(D, E, bias=False)
+        self.f = nn.ModuleList(nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D)) for _ in range(E))
+
+    def forward(self, x):  # (B, D)
+        x = self.inp(x)
+        N, D = x.shape
+        E, K = self.E, self.K
+        w, e = self.r(x).softmax(-1).topk(K, -1)
+        onehot = (e.reshape(N * K, 1) == torch.arange(E)).long()
+        pos = (onehot.cumsum(0) - 1).gather(1, e.reshape(N * K, 1)).view(N, K)
+        slot = (e * N + pos).reshape(-1)
+        buf = x.new_zeros(E * N, D).index_add(0, slot, x[:, None].expand(N, K, D).reshape(N * K, D)).view(E, N, D)
+        outs = []
+        for i, f in enumerate(self.f):
+            h = f(buf[i])
+            outs.append(h - h.mean(0) if self.mix_rows and i == 1 else h)
+        out = torch.stack(outs).reshape(E * N, D)
+        return (out.index_select(0, slot).view(N, K, D) * w[..., None]).sum(1)
+
+
+# --- detection -----------------------------------------------------------------------------------
+def test_reference_moe_blocks_are_found_with_router_experts_and_combine():
+    gm = _captured("moe-tiny")
+    blocks = detect_moe(gm)
+    assert [b.module for b in blocks] == ["layers.0.moe", "layers.1.moe"]
+    b = blocks[0]
+    assert (b.idiom, b.n_experts, b.top_k, b.hidden, b.dropless) == ("slots", 4, 2, 64, True)
+    assert b.gate == "layers.0.moe.gate.weight" and b.router == "layers.0.moe:topk#0"
+    assert len(b.entries) == len(b.exits) == 4 and b.combine.endswith("index_select#0")
+    for e in range(4):
+        assert {n for n, x in b.expert_params.items() if x == e} == \
+            {f"layers.0.moe.experts.{e}.{w}.weight" for w in ("w1", "w2", "w3")}
+    assert b.flops_per_row == 2 * 3 * 64 * 128
+    assert router_stats(gm, blocks) == ["layers.0.moe:sum#2", "layers.0.moe:mean#0",
+                                        "layers.1.moe:sum#2", "layers.1.moe:mean#0"]
+
+
+def test_capacity_mode_is_found_with_its_capacity_expression():
+    gm = _captured("moe-tiny-capacity")
+    b = detect_moe(gm)[0]
+    assert not b.dropless and b.keep == "layers.0.moe:lt#0"
+    cap = {k: n for n, k in autopar.passes.ir.node_keys(gm).items()}[b.capacity]
+    assert isinstance(cap.meta["val"], torch.SymInt)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe", "olmoe"])
+def test_transformers_moe_blocks_are_found_with_grouped_mm_experts(kind):
+    gm = autopar.capture(_hf(kind), (torch.randint(0, 128, (2, 8)),))
+    blocks = detect_moe(gm)
+    assert [b.module for b in blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    b = blocks[0]
+    assert (b.idiom, b.n_experts, b.top_k, b.dropless) == ("sorted", 4, 2, True)
+    # the grouped parameters only: qwen2-moe's shared expert is dense, not an expert
+    assert b.expert_params == {"model.layers.0.mlp.experts.gate_up_proj": "dim0",
+                               "model.layers.0.mlp.experts.down_proj": "dim0"}
+    assert sorted(g["per"] for g in b.gathers) == ["assignment", "token"]
+    assert b.offsets.endswith("cumsum#0") and b.side_row_bytes == 4
+
+
+def test_transformers_aux_loss_statistics_are_router_stats():
+    gm = autopar.capture(_hf("mixtral", aux=True), (torch.randint(0, 128, (2, 8)),))
+    assert router_stats(gm) == [":histc#0", ":sum#0", ":histc#1", ":sum#1"]
+    gm = autopar.capture(_hf("mixtral"), (torch.randint(0, 128, (2, 8)),))
+    assert router_stats(gm) == []  # no aux loss: the histograms feed only the grouped matmul offsets
+
+
+def test_detection_reads_structure_not_names_and_rejects_experts_that_mix_rows():
+    torch.manual_seed(0)
+    gm = autopar.capture(Blob(), (torch.randn(6, 16),))
+    (b,) = detect_moe(gm)
+    assert b.module == "" and b.idiom == "slots" and b.keep is None and b.dropless
+    assert set(b.expert_params) == {f"f.{e}.{i}.{w}" for e in range(4) for i in (0, 2) for w in ("weight", "bias")}
+    torch.manual_seed(0)
+    gm = autopar.capture(Blob(mix_rows=True), (torch.randn(6, 16),))
+    with pytest.raises(MoEDetectError, match="expert 1.*not a row-wise op"):
+        detect_moe(gm)
+
+
+def test_dense_model_has_no_moe_and_an_ep_mesh_is_refused():
+    gm = _captured("gpt-tiny")
+    assert detect_moe(gm) == []
+    assert plan_experts(gm, {"dp": 2}) == {}
+    with pytest.raises(ValueError, match="no mixture-of-experts block"):
+        plan_experts(gm, {"ep": 2})
+
+
+def test_ep_degree_that_does_not_divide_the_experts_is_refused():
+    gm = _captured("moe-tiny")
+    with pytest.raises(ValueError, match="4 experts, which do not divide over ep=3"):
+        plan_experts(gm, {"ep": 3})
+
+
+# --- the rewrite at ep=1 against eager ------------------------------------------------------------
+def _rewrite_ep1(model, x):
+    gm = autopar.capture(model, (x,))
+    mesh = Mesh({"ep": 1})
+    plan = Plan(mesh={"ep": 1}, dp_axis=None)
+    plan.extra["expert"] = plan_experts(gm, mesh)
+    set_active_mesh(mesh, rank=0)
+    return PassManager([split_batch, expert]).run(api._fresh(gm), PassContext(plan, {"ep": 1}, {"ep": 0})), gm
+
+
+def _grads(model):
+    out = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "moe-tiny-capacity", "hf-mixtral", "blob"])
+def test_rewritten_graph_at_ep1_matches_eager_output_and_gradients(name):
+    torch.manual_seed(0)
+    if name == "hf-mixtral":
+        model = _hf("mixtral", aux=True)
+        x, y = torch.randint(0, 128, (4, 8)), torch.randint(0, 128, (4, 8))
+        loss_fn = lambda o, y: F.cross_entropy(o["logits"].flatten(0, 1), y.flatten()) + o["aux_loss"]  # noqa: E731
+    elif name == "blob":
+        model, x, y = Blob(), torch.randn(6, 16), torch.randn(6, 16)
+        loss_fn = lambda o, y: (o - y).pow(2).mean()  # noqa: E731
+    else:
+        spec = get(name)
+        model = spec.build()
+        (x,), y = spec.example_batch(4, generator=torch.Generator().manual_seed(1))
+        loss_fn = spec.loss_fn
+    local, gm = _rewrite_ep1(model, x)
+    code = local.code
+    assert "moe_route" in code and "moe_combine" in code and "index_add" not in code
+    spec_out = gm.meta["autopar_out_spec"]
+    with moe.recording() as routes:
+        out = pytree.tree_unflatten(list(local(x)), spec_out)
+    assert routes and all(r.ep == 1 for r in routes)
+    ref = model(x)
+    for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+    loss_fn(out, y).backward()
+    got = _grads(model)  # the rewritten graph shares the model's parameters
+    loss_fn(ref, y).backward()
+    want = _grads(model)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=TOL, atol=TOL, msg=lambda m: f"{name} grad {k}: {m}")
+    if name == "moe-tiny-capacity":
+        assert any((~r.keep).any() for r in routes), "the capacity case dropped nothing: it checks nothing"
+
+
+# --- the dispatcher in one process ----------------------------------------------------------------
+def test_dispatch_round_trip_locally_returns_input_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    N, K, E, D = 9, 2, 4, 3
+    idx = torch.rand(N, E, generator=g).topk(K, -1).indices
+    r = moe.route(idx, E)
+    t = torch.randn(N * K, D, generator=g, requires_grad=True)
+    rows = moe.dispatch(t, r, "assignment")
+    experts = idx.reshape(-1)[r.order]
+    assert torch.equal(experts, experts.sort(stable=True).values)  # grouped by expert
+    assert r.local_counts == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    back = moe.combine(rows, r)
+    up = torch.randn(N * K, D, generator=g)
+    (back * up).sum().backward()
+    torch.testing.assert_close(back, t, rtol=0, atol=0)
+    torch.testing.assert_close(t.grad, up, rtol=0, atol=0)
+
+
+def test_capacity_drops_are_those_of_the_reference_routing():
+    torch.manual_seed(0)
+    for cf in (0.5, 1.0, 1.25):
+        ffn = MoEFeedForward(MoEConfig.tiny(capacity_factor=cf))
+        x = torch.randn(40, 64)
+        ref = ffn.route(x)
+        r = moe.route(ref.expert, 4, capacity=ref.capacity)
+        assert torch.equal(r.keep, ref.keep), f"cf={cf}"
+        assert (~ref.keep).any() or cf > 1
+        r2 = moe.route(ref.expert, 4, capacity_factor=cf)
+        assert r2.capacity == ref.capacity and torch.equal(r2.keep, ref.keep)
+
+
+# --- cost ------------------------------------------------------------------------------------------
+def test_all_to_all_payload_formula():
+    # dispatch 10 rows of 256 B + 4 B side data, combine 12 rows back; backward the reverses
+    assert a2a_payload_bytes(10, 12, 256, 4) == 10 * 260 + 12 * 256 + 10 * 256 + 12 * 260
+
+
+def test_ep_cost_counts_all_to_alls_scales_with_imbalance_and_ranks_degrees():
+    spec = get("moe-tiny")
+    with torch.device("meta"):
+        model = spec.build()
+    gm = autopar.capture(model, spec.example_batch(8, device="meta")[0])
+    blocks = detect_moe(gm)
+    one = ep_cost(blocks, {"dp": 4}, tokens_per_rank=64)
+    assert one.a2a_payload_bytes == 0 and one.a2a_s == 0 and one.count_bytes == 0
+    c = ep_cost(blocks, {"ep": 4}, tokens_per_rank=64)
+    row = 64 * 4
+    assert c.a2a_payload_bytes == len(blocks) * a2a_payload_bytes(64 * 2, 64 * 2, row)
+    assert c.count_bytes == len(blocks) * 4 * 8
+    assert c.expert_param_bytes * 4 == one.expert_param_bytes == 2 * 4 * 3 * 64 * 128 * 4
+    skew = ep_cost(blocks, {"ep": 4}, tokens_per_rank=64, imbalance=1.5)
+    assert skew.a2a_payload_bytes_max == len(blocks) * a2a_payload_bytes(128, 192, row)
+    assert skew.a2a_s > c.a2a_s and skew.expert_s == pytest.approx(1.5 * c.expert_s)
+    capped = ep_cost(blocks, {"ep": 4}, tokens_per_rank=64, capacity_factor=0.5)
+    assert capped.a2a_payload_bytes == pytest.approx(c.a2a_payload_bytes / 2)
+    ranked = rank_ep_degrees(blocks, 8, "h100-sxm", global_tokens=8 * 1024)
+    assert sorted(r.ep for r in ranked) == [1, 2, 4] and all(isinstance(r, EPCost) for r in ranked)
+    assert ranked == sorted(ranked, key=lambda r: (r.total_s, r.ep))
+    budget = rank_ep_degrees(blocks, 8, "h100-sxm", global_tokens=8 * 1024,
+                             memory_budget_bytes=one.expert_param_bytes / 3)
+    assert sorted(r.ep for r in budget) == [4]
+    with pytest.raises(ValueError, match="imbalance"):
+        ep_cost(blocks, {"ep": 2}, tokens_per_rank=8, imbalance=0.5)
+    assert math.isfinite(ranked[0].total_s)
+
+
+def test_plan_entry_is_plain_json_and_round_trips_with_the_plan():
+    spec = get("moe-tiny")
+    gm = autopar.capture(spec.build(), spec.example_batch(8)[0])
+    plan = Plan(mesh={"dp": 2, "ep": 2})
+    plan.extra["expert"] = plan_experts(gm, {"dp": 2, "ep": 2})
+    back = Plan.from_json(plan.to_json())
+    assert back.extra["expert"] == plan.extra["expert"]
+    e = back.extra["expert"]
+    assert e["tokens_per_rank"] == 8 * 32 / 4 and set(e["blocks"]) == {"layers.0.moe", "layers.1.moe"}
