@@ -196,10 +196,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     engine_options = {"model_parallel": {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and
                                                      type(p).__name__ == "Shard")
                                          for name, lay in plan.param_layouts.items()}}
-    if any(v != "none" for v in plan.recompute.values()):
-        if mesh.size("pp") > 1:
-            raise ValueError("activation recomputation with pipeline parallelism is not wired yet (the pass runs "
-                             "on one graph, not per stage); drop memory_budget / plan.recompute or use pp=1")
+    if any(v != "none" for v in plan.recompute.values()) and mesh.size("pp") == 1:  # pp: per stage, in build_pipeline
         rpm = PassManager([recompute], dump_dir=dump_dir)
         local_gm = rpm.run(local_gm, ctx, tag=f"rank{rank}_recompute")
         records += rpm.records

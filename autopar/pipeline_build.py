@@ -173,6 +173,22 @@ def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pl
     for s in range(S):
         if s not in mine:
             _to_meta(stage_graphs[s])
+    if any(m != "none" for m in plan.recompute.values()):  # activation recomputation, stage by stage
+        from autopar.passes.recompute import recompute  # noqa: PLC0415
+
+        for s in mine:
+            mods = {getattr(n.meta.get("autopar"), "module", "") or "" for n in stage_graphs[s].graph.nodes
+                    if n.op == "call_function"}
+            here = {m: v for m, v in plan.recompute.items()
+                    if v != "none" and any(x == m or x.startswith(m + ".") for x in mods)}
+            if not here:
+                continue
+            save = {m: v for m, v in (plan.extra.get("recompute_save") or {}).items() if m in here}
+            sctx = PassContext(plan=plan.pin(recompute=here, extra={**plan.extra, "recompute_save": save}),
+                               mesh_sizes=ctx.mesh_sizes, coords=ctx.coords)
+            rpm = PassManager([recompute], dump_dir=dump_dir)
+            stage_graphs[s] = rpm.run(stage_graphs[s], sctx, tag=f"rank{rank}_stage{s}_recompute")
+            pm.records += rpm.records
     program = PipelineProgram({s: stage_graphs[s] for s in mine}, mesh, n_stages=S, schedule=name,
                               n_microbatches=plan.n_microbatches, pp_axis=PP_AXIS, dp_axis=plan.dp_axis,
                               zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb, tied=info.tied,

