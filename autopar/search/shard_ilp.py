@@ -30,6 +30,7 @@ and goes into the Plan: `plan.strategies[axis]`).
 """
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections import Counter, defaultdict
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
+import torch
 import torch.fx as fx
 from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_matrix
@@ -137,13 +139,15 @@ def layer_of(module: str) -> str | None:
 def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, int] | None = None,
                    hardware: str = "h100-sxm", memory_limit: float | None = None, state_bytes_per_param: float = 16.0,
                    param_pins: Mapping[str, Placement] | None = None, node_pins: Mapping[str, Placement] | None = None,
-                   time_limit_s: float = 60.0, tie_layers: bool = True, sizes: Mapping[str, int] | None = None
-                   ) -> ShardSolution:
+                   time_limit_s: float = 60.0, tie_layers: bool = True, sizes: Mapping[str, int] | None = None,
+                   gc: Any = None) -> ShardSolution:
     """Choose a strategy for every node of `gm` on mesh axis `axis` of size `k`.
 
     memory_limit: bytes per device for model states (`state_bytes_per_param` bytes per element
     of a parameter: 16 for fp32 AdamW) plus saved activations; None: no limit.
     param_pins / node_pins: placements fixed by the user (parameter name / node key -> placement).
+    gc: `analyze(gm, hardware)` when the caller has it already (the joint planner solves one
+        graph for several axis sizes); None: analysed here.
     """
     t0 = time.perf_counter()
     mesh = dict(mesh or {axis: k})
@@ -153,7 +157,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     link = axis_links(hw.with_nodes(-(-int(np.prod(list(mesh.values()))) // hw.gpus_per_node))
                       if np.prod(list(mesh.values())) > hw.world_size else hw, mesh)[axis]
     launch = hw.kernel_overhead_s
-    gc = analyze(gm, hw)
+    gc = gc if gc is not None else analyze(gm, hw)
     values = gc.values(sizes)
     timer = _Timer(hw, values)
     by_name = {nc.name: nc for nc in gc.nodes}
@@ -162,6 +166,14 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     rg = requires_grad_nodes(gm)
     param_pins = dict(param_pins or {})
     node_pins = dict(node_pins or {})
+    conv_memo: dict = {}
+
+    def conv(src, dst, pg, nbytes):  # conversion_time with this solve's link, memoised
+        key = (src, dst, pg, nbytes)
+        t = conv_memo.get(key)
+        if t is None:
+            t = conv_memo[key] = conversion_time(src, dst, pg, nbytes, link, k, launch)
+        return t
 
     # --- strategies per node ------------------------------------------------------------------
     nodes: list[fx.Node] = []
@@ -169,6 +181,8 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     unruled: Counter = Counter()
     excluded: list[str] = []
     forbidden = _forbidden(gm, axis)
+    rule_memo: dict = {}
+    desc_memo: dict = {}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr") and not is_tensor(n):
             continue
@@ -186,11 +200,21 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
         elif n.op == "call_function":
             if not is_tensor(n) and not any(is_tensor(a) for a in n.all_input_nodes):
                 continue
-            v = strategies_for(n, axis, k, forbidden)
-            if v.unruled:
-                unruled[v.op] += 1
-            excluded += v.excluded
-            strats[n] = v.strategies
+            # identical calls (the same op on the same shapes and arguments: the blocks of a
+            # deep model) have the same strategies; the rule runs once per distinct call
+            sig = _call_signature(n, forbidden, desc_memo)
+            hit = rule_memo.get(sig) if sig is not None else None
+            if hit is None:
+                v = strategies_for(n, axis, k, forbidden)
+                hit = (v.op, v.unruled, list(v.excluded), v.strategies, n.name)
+                if sig is not None:
+                    rule_memo[sig] = hit
+                excluded += v.excluded
+            else:  # the same reasons, named after this node
+                excluded += [e.replace(f"{hit[4]}:", f"{n.name}:", 1) for e in hit[2]]
+            op, was_unruled, _exc, strats[n], _first = hit
+            if was_unruled:
+                unruled[op] += 1
         else:
             continue
         key = keys.get(n)
@@ -268,12 +292,21 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     comm_terms: list[tuple[int, float]] = []
     seen_edges: set = set()
     ub_zero: list[int] = []
+    repeat: dict[tuple, list] = {}
     for u in nodes:
         cons = [v for v in u.users if v in inputs_of and u in inputs_of[v]]
         if not cons:
             continue
         gu = gid[u]
         nbytes = _nbytes(u, sym_vals)
+        # a producer of a repeated layer whose consumers are the same groups as an earlier one's
+        # adds the same conversion costs (the rows and variables exist already): reuse them
+        rkey = (gu, frozenset((gid[v], inputs_of[v].index(u)) for v in cons), nbytes, u in rg)
+        again = repeat.get(rkey)
+        if again is not None:
+            for sig, c in again:
+                h_cost[sig] += c
+            continue
         outs: dict[Placement, list[int]] = defaultdict(list)
         for i, s in enumerate(group_strats[gu]):
             outs[s.out].append(x(gu, i))
@@ -287,10 +320,11 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
                 per[(p, partial_grad(s, p, u, rg) if p is not None else False)].append(x(gv, i))
             edge_reqs[(gv, j)] = per
         consumer_sig = frozenset(edge_reqs)
+        u_tuple = is_tuple(u)
         for (gv, j), per in edge_reqs.items():
             costs = {(src, r): (0.0 if r[0] is None else
-                                INF if is_tuple(u) and (src != r[0] or r[1]) else
-                                conversion_time(src, r[0], r[1], nbytes, link, k, launch))
+                                INF if u_tuple and (src != r[0] or r[1]) else
+                                conv(src, r[0], r[1], nbytes))
                      for src in outs for r in per}
             if all(c == 0.0 for c in costs.values()):
                 continue
@@ -321,13 +355,18 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
                     h_cost[sig] = 0.0
                 if first:
                     rows.append(([evar[(src, r)], h_index[sig]], [1.0, -1.0], -np.inf, 0.0))
-        for sig in {(gu, str(src), str(r[0]), r[1], consumer_sig) for per in edge_reqs.values()
-                    for src in outs for r in per}:
+        conversions: dict[tuple, tuple] = {}  # each conversion of u's value once, shared by its consumers
+        for per in edge_reqs.values():
+            for src in outs:
+                for r in per:
+                    conversions.setdefault((gu, str(src), str(r[0]), r[1], consumer_sig), (src, r[0], r[1]))
+        added = []
+        for sig, (src, dst, pg) in conversions.items():
             if sig in h_index:
-                _g, src_s, dst_s, pg, _c = sig
-                src = next(p for p in outs if str(p) == src_s)
-                dst = next(r[0] for per in edge_reqs.values() for r in per if str(r[0]) == dst_s)
-                h_cost[sig] += conversion_time(src, dst, pg, nbytes, link, k, launch)
+                c = conv(src, dst, pg, nbytes)
+                h_cost[sig] += c
+                added.append((sig, c))
+        repeat[rkey] = added
     for sig, hv in h_index.items():
         cost[hv] += h_cost.get(sig, 0.0)
         comm_terms.append((hv, h_cost.get(sig, 0.0)))
@@ -370,7 +409,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     comm_s = sum(c * sol[hv] for hv, c in comm_terms if c != INF)
     total = float(c_vec @ sol) / scale
     memory = sum(mem[i] * sol[i] for i in range(n_x))
-    check_comm = _recount_comm(nodes, chosen, inputs_of, rg, link, k, sym_vals, launch)
+    check_comm = _recount_comm(nodes, chosen, inputs_of, rg, conv, sym_vals)
     gap = getattr(res, "mip_gap", None)
     status = "optimal" if res.status == 0 else f"stopped ({res.message})"
     return ShardSolution(axis=axis, k=k, chosen=chosen, keys={n: keys[n] for n in chosen}, objective_s=total,
@@ -381,7 +420,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _recount_comm(nodes, chosen, inputs_of, rg, link, k, sym_vals, launch) -> float:
+def _recount_comm(nodes, chosen, inputs_of, rg, conv, sym_vals) -> float:
     """Communication seconds of a chosen plan, counted as the rewrite inserts conversions: one
     per (producer, target placement, partial gradient), shared by the consumers."""
     seen: set = set()
@@ -396,7 +435,7 @@ def _recount_comm(nodes, chosen, inputs_of, rg, link, k, sym_vals, launch) -> fl
             if key in seen:
                 continue
             seen.add(key)
-            total += conversion_time(chosen[a].out, p, pg, _nbytes(a, sym_vals), link, k, launch)
+            total += conv(chosen[a].out, p, pg, _nbytes(a, sym_vals))
     return total
 
 
@@ -467,14 +506,57 @@ def _numel(shape, sym_vals) -> float:
         return 0.0
     total = 1.0
     for d in shape:
-        if isinstance(d, int):
-            total *= d
-        else:
-            import sympy  # noqa: PLC0415
-
-            e = sympy.sympify(d)
-            total *= float(e.subs({sympy.Symbol(s): v for s, v in sym_vals.items()}))
+        total *= d if isinstance(d, int) else _sym_dim(str(d), tuple(sorted(sym_vals.items())))
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _sym_dim(text: str, sym_items: tuple) -> float:
+    """The value of one symbolic dim ("2*s0") under the symbols' example values (parsing
+    with sympy is slow, and a deep model repeats the same few dims thousands of times)."""
+    import sympy  # noqa: PLC0415
+
+    return float(sympy.sympify(text).subs({sympy.Symbol(s): v for s, v in sym_items}))
+
+
+def _call_signature(n: fx.Node, forbidden, memo: dict) -> tuple | None:
+    """What a sharding rule can see of a call: the op, its arguments with every node replaced
+    by (position among the node's tensor inputs, shape, and dims sharded on other axes), the
+    output's shape and whether it is a tuple. Equal signatures give equal strategies.
+    None when an argument is something the signature cannot describe (then the rule runs)."""
+    pos: dict[fx.Node, int] = {}
+
+    def enc(a):
+        if isinstance(a, fx.Node):
+            if a not in pos:
+                pos[a] = len(pos)
+            return ("N", pos[a], _describe(a, forbidden, memo))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(enc(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, enc(v)) for k, v in sorted(a.items())))
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return (type(a).__name__, repr(a))
+        raise _Unhashable
+
+    try:
+        return (str(n.target), enc(n.args), enc(n.kwargs), _describe(n, forbidden, memo), is_tuple(n))
+    except _Unhashable:
+        return None
+
+
+def _describe(a: fx.Node, forbidden, memo: dict) -> tuple:
+    d = memo.get(a)
+    if d is None:
+        info = ir.get_info(a)
+        d = memo[a] = (str(value_shape(a)), info.dtype if info is not None else None,
+                       tuple(sorted(forbidden.get(a, ()))), is_tensor(a))
+    return d
+
+
+class _Unhashable(Exception):
+    pass
 
 
 def _nbytes(n: fx.Node, sym_vals) -> float:

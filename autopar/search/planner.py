@@ -1,0 +1,755 @@
+"""Joint planner: one search over every dimension of a plan, for `autopar.parallelize`.
+
+`plan_for(global_gm, world_size, hardware)` returns the Plan with the least predicted step
+time whose every rank fits in memory, and a `PlanReport` saying why. The search is
+hierarchical:
+
+  outer   enumeration of the discrete choices: the factorisation of the world into
+          tp x pp x dp (x ep when the model has MoE blocks and expert parallelism can run),
+          tp at most the GPUs of a node (tp innermost on the mesh, so its groups share one);
+          the ZeRO stage (0-3 when dp > 1); the number of micro-batches (a divisor of the rows
+          each dp rank gets); with pp > 1 the schedule (1f1b, interleaved_1f1b, zb_h1, zbv;
+          gpipe only when pinned: 1F1B has its time with less memory).
+  inner   per tp degree the sharding ILP (`shard_ilp.solve_sharding`: every node's strategy
+          on the tp axis, sequence parallelism included; identical layers solved once; cached
+          per degree); per candidate the stage DP with each stage's recompute budget and the
+          schedule simulator (`plan_cost.PlanCostModel.evaluate`).
+  pruning every candidate gets two lower bounds before anything is solved for it: step time
+          (its busiest rank's share of compute and optimizer step with every node's work
+          divided by tp as if all of it sharded; with one stage per rank also the pipeline's
+          fill and drain) and memory (its share of the model states and of one micro-batch's
+          activations, recomputed where recompute can run). Candidates are costed in order of
+          the time bound; one whose bound is over the best plan found so far cannot be the
+          best and is skipped, and so are all after it; one whose memory bound is over the
+          limit cannot fit. A pipeline candidate's split gets a second bound before its
+          schedule is simulated. A tp degree whose every candidate is pruned never has its ILP
+          solved. The bounds are sound for the cost model (tests/unit/test_planner.py checks
+          them, and the search against exhaustive enumeration). The top-k alternatives are the
+          k best plans the search costed.
+  polish  the top plans' pipeline splits are improved by moving each stage boundary by one
+          unit while the full prediction (simulated schedule) improves.
+
+Everything solved is cached: ILPs per tp degree, unit tables per (tp, rows per micro-batch),
+model states per (tp, ZeRO, dp); whole results by (graph fingerprint, mesh, hardware, pins,
+limits) in memory and, with `cache_dir` (or AUTOPAR_PLAN_CACHE=dir), on disk as JSON.
+
+Pins (`pins=`): "tp", "pp", "dp", "ep", "mesh" ({axis: size}), "zero_stage",
+"n_microbatches", "schedule", "split_points" (unit names where stages start: all of them, or
+some and the search places the rest), "recompute" ("none", "full" or {unit: "full"|"none"}),
+"param_layouts" ({name: Layout or tp placement}: pins for the sharding ILP), "bucket_mb",
+"fusions". A pin the mesh cannot satisfy is a ValueError naming it. Optional inner steps:
+`search.fusion.plan_fusions(gm, hardware)` when that module exists; expert parallelism when
+`passes/expert.py` exists (or `allow={"ep": True}` to plan it without running it).
+
+An infeasible request raises ValueError before anything is allocated, naming the plan that
+needs the least memory and by how much it misses the limit.
+
+It reads node.meta only through the cost model and the sharding rules; writes nothing.
+Deterministic: equal inputs give equal plans (ties broken by the candidate's order).
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import importlib.util
+import json
+import math
+import os
+import time
+from dataclasses import replace
+from typing import Any, Iterable, Mapping
+
+import torch.fx as fx
+
+from autopar.cost import load_profile
+from autopar.passes.plan import Plan
+from autopar.runtime.placement import Layout, Placement, parse_placement
+from autopar.search.explain import DIMENSIONS, PlanReport, dimension_rows, gib, seconds
+from autopar.search.plan_cost import Candidate, Evaluation, PlanCostModel, plain
+
+__all__ = ["plan_for", "PlanReport", "candidates", "graph_fingerprint", "RUNTIME_SUPPORT", "PLANNER_VERSION",
+           "clear_cache"]
+
+PLANNER_VERSION = 1
+SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+PIN_KEYS = ("tp", "pp", "dp", "ep", "mesh", "zero_stage", "n_microbatches", "schedule", "split_points", "recompute",
+            "param_layouts", "bucket_mb", "fusions")
+DEFAULT_HEADROOM = 0.9  # of the device's memory, as the stage search: workspace and fragmentation
+
+# What the runtime can carry out today; the planner plans only such plans unless `allow` says
+# otherwise (plans are data: planning beyond the runtime is how large configurations are studied).
+RUNTIME_SUPPORT = {
+    "ep": importlib.util.find_spec("autopar.passes.expert") is not None,
+    "recompute_with_pp": True,  # pipeline_build runs the recompute pass stage by stage
+    "zero_with_tied_pp": False,  # PipelineProgram: tied weights across stages need ZeRO 0
+    "ep_with_pp": False,  # api.parallelize: "expert parallelism with pipeline parallelism is not wired yet"
+}
+
+_MEMO: dict[str, tuple[dict, dict]] = {}
+
+
+def clear_cache() -> None:
+    _MEMO.clear()
+
+
+# ------------------------------------------------------------------------ entry point
+def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[str, int], hardware: Any = "h100-sxm",
+             *, pins: Mapping[str, Any] | None = None, memory_limit: float | None = None,
+             global_batch: int | None = None, top_k: int = 5, optimizer: Any = "adamw",
+             cache_dir: str | None = None, allow: Mapping[str, bool] | None = None, gc=None
+             ) -> tuple[Plan, PlanReport]:
+    """The best plan for `global_gm` on a mesh of the given size, and why.
+
+    Args:
+        global_gm: the captured graph at the global batch (`autopar.capture`).
+        world_size_or_mesh_sizes: ranks (the planner factorises them), or axis sizes
+            ({"dp": 4, "tp": 2}: the mesh is fixed and the rest is searched).
+        hardware: cost-model profile name, path or Hardware.
+        pins: parts of the plan fixed by the user (see the module docstring).
+        memory_limit: bytes per device every rank must stay under (default 90 % of the
+            device's memory).
+        global_batch: rows per step (default: the captured batch).
+        top_k: alternatives to keep and report.
+        optimizer: for the model-state accounting ("adamw", "sgd", ...).
+        cache_dir: also cache results as JSON files here (default $AUTOPAR_PLAN_CACHE).
+        allow: override RUNTIME_SUPPORT flags ({"ep": True, "recompute_with_pp": True}).
+        gc: `cost.analyze(global_gm, hardware)` when the caller has it.
+
+    Returns:
+        (plan, report): the Plan (mesh, dp axis, ZeRO stage, layouts and strategies on tp,
+        split points, schedule, micro-batches, recompute, fusions, predictions, notes; the
+        report's dict in plan.extra["planner"]) and the PlanReport.
+
+    Raises:
+        ValueError: pins the mesh cannot satisfy, or no plan fits the memory limit (naming
+        the smallest shortfall).
+    """
+    t0 = time.perf_counter()
+    hw = load_profile(hardware)
+    pins = _normalise_pins(pins, world_size_or_mesh_sizes)
+    world = _world(world_size_or_mesh_sizes)
+    limit = float(memory_limit) if memory_limit is not None else DEFAULT_HEADROOM * float(hw.device.memory_bytes)
+    support = {**RUNTIME_SUPPORT, **(allow or {})}
+    key = _cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, support)
+    cache_dir = cache_dir or os.environ.get("AUTOPAR_PLAN_CACHE")
+    hit = _MEMO.get(key) or _disk_get(cache_dir, key)
+    if hit is not None:
+        plan = Plan.from_dict(hit[0])
+        report = PlanReport.from_dict(hit[1])
+        report.search = {**report.search, "cached": True, "seconds": time.perf_counter() - t0}
+        return plan, report
+    search = _Search(global_gm, hw, world, pins, limit, global_batch, top_k, optimizer, support, gc)
+    plan, report = search.run()
+    report.search["seconds"] = time.perf_counter() - t0
+    plan.extra["planner"] = _stored(report)
+    _MEMO[key] = (plan.to_dict(), report.to_dict())
+    _disk_put(cache_dir, key, _MEMO[key])
+    return plan, report
+
+
+def _stored(report: PlanReport) -> dict[str, Any]:
+    """The report as the plan keeps it: without timings, so that plan.json is the same
+    from run to run."""
+    d = plain(report.to_dict())
+    d["search"] = {k: v for k, v in d["search"].items() if k not in ("seconds", "ilp_seconds", "cached")}
+    return d
+
+
+# ------------------------------------------------------------------------ candidates
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: PlanCostModel, world: int, pins: Mapping[str, Any], support: Mapping[str, bool]
+               ) -> list[Candidate]:
+    """Every candidate of the outer search that the pins, the mesh and the model allow."""
+    hw = model.hw
+    L = model.L
+    G = model.global_batch
+    eps = [1]
+    if model.has_moe and support.get("ep"):
+        eps += [e for e in _divisors(world) if e > 1 and model.n_experts % e == 0]
+    tied = _has_tied(model.gm)
+    out = []
+    for t in _divisors(world):
+        if t > hw.gpus_per_node and "tp" not in pins:
+            continue
+        for e in eps:
+            if world % (t * e):
+                continue
+            for p in _divisors(world // (t * e)):
+                if p > L or (e > 1 and p > 1 and not support.get("ep_with_pp")):
+                    continue
+                d = world // (t * e * p)
+                if G % (d * e):
+                    continue
+                rows = G // (d * e)
+                zeros = [0, 1, 2, 3] if d > 1 else [0]
+                for m in _divisors(rows):
+                    for sched in (["none"] if p == 1 else
+                                  ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
+                        c0 = Candidate(t, p, d, e, 0, m, sched)
+                        if c0.n_stages > L:
+                            continue
+                        if c0.virtual > 1 and m % p:
+                            continue
+                        if p > 1 and m < p and sched != "1f1b":
+                            continue  # fewer micro-batches than ranks: 1F1B is as good as any
+                        for z in zeros:
+                            if p > 1 and tied and z and not support.get("zero_with_tied_pp"):
+                                continue
+                            c = replace(c0, zero=z)
+                            if _matches(c, pins):
+                                out.append(c)
+    return out
+
+
+def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:
+    for k, v in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("ep", c.ep), ("zero_stage", c.zero),
+                 ("n_microbatches", c.micro)):
+        if k in pins and pins[k] != v:
+            return False
+    if "schedule" in pins and c.pp > 1 and pins["schedule"].lower().replace("-", "_") != c.schedule:
+        return False
+    sp = pins.get("split_points")
+    if sp and c.n_stages < len(sp) + 1:
+        return False
+    return True
+
+
+def _has_tied(gm: fx.GraphModule) -> bool:
+    return len(list(gm.named_parameters(remove_duplicate=False))) != len(list(gm.named_parameters()))
+
+
+# ------------------------------------------------------------------------ the search
+class _Search:
+    def __init__(self, gm, hw, world, pins, limit, global_batch, top_k, optimizer, support, gc):
+        self.gm, self.hw, self.world, self.pins, self.limit = gm, hw, world, pins, limit
+        self.top_k = max(1, int(top_k))
+        self.support = support
+        self.notes: list[str] = []
+        self.model = PlanCostModel(gm, hw, world, global_batch=global_batch, optimizer=optimizer,
+                                   param_pins=pins.get("param_layouts"), gc=gc,
+                                   bucket_mb=float(pins.get("bucket_mb", 25.0)))
+        self.split_pins = list(pins.get("split_points") or [])
+        bad = [p for p in self.split_pins if p not in self.model.unit_names]
+        if bad:
+            from autopar.passes.split_pipeline import brief_names  # noqa: PLC0415
+
+            raise ValueError(f"pinned split points {bad} are not pipeline units of this model; a stage can start at "
+                             f"one of: {brief_names(self.model.unit_names[1:])}")
+        self.recompute = pins.get("recompute", "auto")
+        self.records: dict[str, dict[Any, dict[str, Any]]] = {d: {} for d in DIMENSIONS}
+        self.stats = {"candidates": 0, "evaluated": 0, "pruned_bound": 0, "no_fit": 0, "ilp_failed": []}
+        self.bad_tp: dict[int, str] = {}
+
+    # --- bookkeeping per dimension value, for the explanations ----------------------------------
+    def _rec(self, c: Candidate) -> Iterable[dict[str, Any]]:
+        for dim, v in c.dims().items():
+            if dim == "schedule" and c.pp == 1:
+                continue
+            yield self.records[dim].setdefault(v, {})
+
+    def _note_fit(self, ev: Evaluation) -> None:
+        for r in self._rec(ev.candidate):
+            if r.get("best_step") is None or ev.step_s < r["best_step"]:
+                r.update(best_step=ev.step_s, best_label=ev.candidate.label(), best_peak=ev.peak_bytes)
+
+    def _note_need(self, c: Candidate, need: float, at_least: bool) -> None:
+        for r in self._rec(c):
+            if r.get("min_need") is None or need < r["min_need"]:
+                r.update(min_need=need, min_need_label=("at least, " if at_least else "") + c.label(),
+                         need_exact=not at_least)
+            if at_least:  # a bound: remember the most promising candidates to cost exactly for the report
+                cands = r.setdefault("_need_cands", [])
+                cands.append((need, c))
+                cands.sort(key=lambda x: (x[0], x[1]))
+                del cands[2:]
+
+    def _exact_needs(self) -> None:
+        """For a dimension value none of whose candidates fits, the memory its most promising
+        candidates need at least (memory-minimising split, every block recomputed where
+        recompute can run), so that the report names a real shortfall."""
+        done: dict[Candidate, float] = {}
+        for recs in self.records.values():
+            for r in recs.values():
+                cands = r.pop("_need_cands", [])
+                if r.get("best_step") is not None or r.get("bound") is not None or r.get("need_exact"):
+                    continue
+                for _lb, c in cands:
+                    if c not in done:
+                        ev = self._evaluate(c, minimise="memory") if c.tp not in self.bad_tp else None
+                        done[c] = ev.peak_bytes if ev is not None else math.inf
+                    if done[c] < math.inf and (not r.get("need_exact") or done[c] < r["min_need"]):
+                        r.update(min_need=done[c], min_need_label=c.label(), need_exact=True)
+
+    def _note_bound(self, c: Candidate, lb: float) -> None:
+        for r in self._rec(c):
+            if r.get("bound") is None or lb < r["bound"]:
+                r["bound"] = lb
+
+    # --- the run ---------------------------------------------------------------------------------
+    def run(self) -> tuple[Plan, PlanReport]:
+        t_start = time.perf_counter()
+        model, limit, k = self.model, self.limit, self.top_k
+        cands = candidates(model, self.world, self.pins, self.support)
+        if not cands:
+            raise ValueError(self._no_candidates_message())
+        self.stats["candidates"] = len(cands)
+        # phase A: bounds that need no ILP (every node's work divided by tp)
+        scored = []
+        for c in cands:
+            lb_t, lb_m = self.model_optimistic(c)
+            if lb_m > limit:
+                self.stats["no_fit"] += 1
+                self._note_need(c, lb_m, True)
+                continue
+            scored.append((lb_t, c))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        top: list[tuple[float, int, Evaluation]] = []  # the k best costed, max-heap by step (negated)
+        best_step = math.inf  # the incumbent: a candidate whose bound is over it cannot be the best
+        order = 0
+        # a good incumbent early prunes most of the rest: first, per tp degree, the candidate
+        # with the least bound that has no pipeline (whose bound is nearly its time), then the
+        # bound order (which the seeds do not change: they are costed again at no cost)
+        seeds: dict[int, tuple[float, Candidate]] = {}
+        for lb_a, c in scored:
+            if c.pp == 1 and c.tp not in seeds:
+                seeds[c.tp] = (lb_a, c)
+        seen: set[Candidate] = set()
+        for pos, (lb_a, c) in enumerate(sorted(seeds.values()) + scored):
+            if c in seen:
+                continue
+            seen.add(c)
+            if lb_a >= best_step and pos >= len(seeds):
+                for lb_rest, rest in scored[pos - len(seeds):]:  # every later one is bounded out too
+                    if rest not in seen:
+                        self.stats["pruned_bound"] += 1
+                        self._note_bound(rest, lb_rest)
+                break
+            if c.tp in self.bad_tp:
+                continue
+            try:
+                lb_t, lb_m = model.lower_bounds(c, self._may_recompute(c))
+            except Exception as e:  # noqa: BLE001 - a tp degree the ILP cannot solve is skipped, and said so
+                self._ilp_failed(c.tp, e)
+                continue
+            if lb_m > limit:
+                self.stats["no_fit"] += 1
+                self._note_need(c, lb_m, True)
+                continue
+            if lb_t >= best_step:
+                self.stats["pruned_bound"] += 1
+                self._note_bound(c, lb_t)
+                continue
+            ev = self._evaluate(c, cutoff=best_step)
+            if ev is None:
+                continue
+            if ev.pruned:
+                self.stats["pruned_bound"] += 1
+                self._note_bound(c, ev.step_s)
+                continue
+            self.stats["evaluated"] += 1
+            if not ev.feasible:
+                self.stats["no_fit"] += 1
+                self._note_need(c, ev.peak_bytes, bool(ev.notes and "lower bound" in ev.notes[0]))
+                continue
+            self._note_fit(ev)
+            best_step = min(best_step, ev.step_s)
+            order += 1
+            heapq.heappush(top, (-ev.step_s, -order, ev))
+            if len(top) > k:
+                heapq.heappop(top)
+        if not top:
+            raise ValueError(self._infeasible_message())
+        best = sorted((e for _s, _o, e in top), key=lambda e: (e.step_s, e.candidate))
+        best = self._polish(best)
+        for ev in best:
+            self._note_fit(ev)
+        chosen = best[0]
+        report = self._report(chosen, best, time.perf_counter() - t_start)
+        plan = self._plan(chosen, report)
+        return plan, report
+
+    def model_optimistic(self, c: Candidate) -> tuple[float, float]:
+        return self.model.optimistic_bounds(c, self._may_recompute(c))
+
+    def _may_recompute(self, c: Candidate) -> bool:
+        if self.recompute == "none":
+            return False
+        return c.pp == 1 or bool(self.support.get("recompute_with_pp")) or self.recompute == "full" \
+            or isinstance(self.recompute, Mapping)
+
+    def _evaluate(self, c: Candidate, pins: list[str] | None = None, minimise: str = "time",
+                  cutoff: float | None = None) -> Evaluation | None:
+        rc = self.recompute
+        if c.pp > 1 and not self.support.get("recompute_with_pp") and rc == "auto":
+            rc = "none"
+        try:
+            return self.model.evaluate(c, self.limit, pins=self.split_pins if pins is None else pins, recompute=rc,
+                                       minimise=minimise, cutoff=cutoff)
+        except ValueError as e:
+            self.notes.append(f"{c.label()}: {e}")
+            return None
+
+    def _ilp_failed(self, t: int, e: Exception) -> None:
+        self.bad_tp[t] = f"{type(e).__name__}: {e}"
+        self.stats["ilp_failed"].append(t)
+        self.notes.append(f"tp={t} skipped: the sharding search failed ({type(e).__name__}: {str(e)[:200]})")
+
+    def _polish(self, best: list[Evaluation]) -> list[Evaluation]:
+        """Move each pipeline boundary of the top plans (those within 3% of the best) by one
+        unit while the full prediction improves (the DP balances stage times; the simulated
+        schedule is the objective), 40 predictions at most."""
+        budget = 40
+        out = []
+        names = self.model.unit_names
+        for ev in best:
+            cur = ev
+            improved = cur.candidate.pp > 1 and len(self.split_pins) < cur.candidate.n_stages - 1 \
+                and cur.step_s <= best[0].step_s * 1.03
+            while improved and budget > 0:
+                improved = False
+                starts = [names.index(p) for p in cur.split_points]
+                for s in range(len(starts)):
+                    for delta in (-1, 1):
+                        new = list(starts)
+                        new[s] += delta
+                        lo = new[s - 1] if s > 0 else 0
+                        hi = new[s + 1] if s + 1 < len(new) else len(names)
+                        if not lo < new[s] < hi or any(names[x] in self.split_pins for x in starts if x not in new):
+                            continue
+                        budget -= 1
+                        alt = self._evaluate(cur.candidate, pins=[names[x] for x in new])
+                        if alt is not None and alt.feasible and alt.step_s < cur.step_s * (1 - 1e-9):
+                            cur, improved = alt, True
+                            break
+                    if improved or budget <= 0:
+                        break
+            out.append(cur)
+        return sorted(out, key=lambda e: (e.step_s, e.candidate))
+
+    # --- failure messages -----------------------------------------------------------------------
+    def _no_candidates_message(self) -> str:
+        m, pins = self.model, self.pins
+        fixed = ", ".join(f"{k}={v}" for k, v in pins.items() if k in ("tp", "pp", "dp", "ep", "zero_stage",
+                                                                         "n_microbatches", "schedule", "split_points"))
+        return (f"no plan of {self.world} ranks matches the pins {fixed}: tp x pp x dp x ep must equal {self.world}, "
+                f"tp at most {m.hw.gpus_per_node} (GPUs per node), pp at most {m.L} (pipeline units), dp x ep x "
+                f"micro-batches must divide the global batch of {m.global_batch} rows, interleaved schedules need "
+                f"micro-batches divisible by pp. Change or drop a pin")
+
+    def _infeasible_message(self) -> str:
+        """Find the plan that needs the least memory (every block recomputed, the split that
+        minimises the fullest stage) and say how far it is over the limit."""
+        cands = sorted(self.model_candidates_all(), key=lambda c: self.model_optimistic(c)[1])[:40]
+        best: Evaluation | None = None
+        for c in cands:
+            if c.tp in self.bad_tp:
+                continue
+            try:
+                self.model.sharding(c.tp)
+            except Exception as e:  # noqa: BLE001
+                self._ilp_failed(c.tp, e)
+                continue
+            ev = self._evaluate(c, minimise="memory")
+            if ev is not None and (best is None or ev.peak_bytes < best.peak_bytes):
+                best = ev
+        lim = gib(self.limit)
+        if best is None:
+            return (f"no plan of {self.world} ranks of {self.hw.name} fits {lim} per rank and none could be costed"
+                    + (f" ({'; '.join(self.notes[:3])})" if self.notes else ""))
+        rc = " with every block recomputed" if best.recompute else ""
+        return (f"no plan of {self.world} ranks of {self.hw.name} fits the memory limit of {lim} per rank: the plan "
+                f"that needs the least, {best.candidate.label()}{rc}, needs {gib(best.peak_bytes)} on its fullest rank "
+                f"({gib(best.peak_bytes - self.limit)} over; model states {gib(_states(best))}, activations "
+                f"{gib(best.memory.get('activations', 0.0))}). Use more devices, a larger memory_limit, a smaller "
+                "global batch, or pin fewer dimensions")
+
+    def model_candidates_all(self) -> list[Candidate]:
+        return candidates(self.model, self.world, self.pins, self.support)
+
+    # --- report and plan ------------------------------------------------------------------------
+    def _report(self, chosen: Evaluation, best: list[Evaluation], seconds_: float) -> PlanReport:
+        self._exact_needs()
+        dims = {}
+        for dim in DIMENSIONS:
+            vals = self.records[dim]
+            if not vals:
+                continue
+            dims[dim] = dimension_rows(vals, chosen.candidate.dims()[dim] if not (dim == "schedule" and
+                                       chosen.candidate.pp == 1) else None, chosen.step_s, self.limit, dim)
+        dims["sequence_parallel"] = self._sp_rows(chosen)
+        dims["recompute"] = self._recompute_rows(chosen)
+        unit = self.model.tokens_per_row()[1]
+        as_dict = []
+        for e in best:
+            d = e.to_dict()
+            d["throughput_unit"] = unit
+            as_dict.append(d)
+        chosen_d = dict(as_dict[0])
+        self.stats.update(seconds=seconds_, ilp_seconds=round(self.model.ilp_seconds, 3),
+                          tp_solved=sorted(self.model._shard), cached=False)
+        return PlanReport(chosen=chosen_d, alternatives=as_dict, dimensions=dims, search=dict(self.stats),
+                          hardware=self.hw.name, memory_limit=self.limit, world_size=self.world, notes=self.notes[:20])
+
+    def _sp_rows(self, chosen: Evaluation) -> list[dict]:
+        t = chosen.candidate.tp
+        if t == 1:
+            return []
+        info = self.model.sharding(t)
+        sp = info.sequence_parallel
+        sol = info.solution
+        gap = "n/a" if sol is None or sol.gap is None else f"{sol.gap:.2%}"
+        why = (f"the sharding ILP for tp={t} ({sol.status if sol else ''}, gap {gap}) found "
+               + ("all-gather / reduce-scatter pairs (sequence parallel) cheaper than all-reduces"
+                  if sp else "all-reduces (no sequence parallelism) cheapest"))
+        return [{"value": "yes" if sp else "no", "status": "chosen", "reason": why, "step_s": chosen.step_s,
+                 "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}]
+
+    def _recompute_rows(self, chosen: Evaluation) -> list[dict]:
+        n_blocks = int(self.model.blocks.sum())
+        k = len(chosen.recompute)
+        row = {"value": f"{k}/{n_blocks} blocks", "status": "chosen", "step_s": chosen.step_s,
+               "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}
+        if k == 0:
+            row["reason"] = (f"nothing recomputed: the plan fits with {gib(self.limit - chosen.peak_bytes)} to spare"
+                             if isinstance(self.recompute, str) and self.recompute in ("auto", "none")
+                             else "pinned")
+            return [row]
+        row["reason"] = ""
+        rows = [row]
+        try:
+            without = self.model.evaluate(chosen.candidate, self.limit, pins=chosen.split_points, recompute="none")
+        except ValueError:
+            without = None
+        if without is not None:
+            rows.append({"value": "none", "status": "no fit" if not without.feasible else "slower",
+                         "step_s": without.step_s, "peak_bytes": without.peak_bytes,
+                         "label": without.candidate.label(),
+                         "reason": (f"needs {gib(without.peak_bytes)} on a rank with this mesh, over the limit of "
+                                    f"{gib(self.limit)}") if not without.feasible else
+                         f"fits but the chosen plan is faster overall"})
+        return rows
+
+    def _plan(self, ev: Evaluation, report: PlanReport) -> Plan:
+        c = ev.candidate
+        mesh = c.mesh()
+        axes = tuple(mesh)
+        plan = Plan(mesh=mesh, dp_axis="dp" if "dp" in mesh else None, zero_stage=c.zero if c.dp > 1 else 0,
+                    n_microbatches=c.micro, bucket_mb=float(self.pins.get("bucket_mb", 25.0)))
+        if c.tp > 1:
+            info = self.model.sharding(c.tp)
+            sol = info.solution
+            plan.strategies["tp"] = dict(info.strategies)
+            for name, p in info.param_placements.items():
+                plan.param_layouts[name] = Layout.replicated(axes).replace("tp", p)
+            for key, p in info.node_placements.items():
+                plan.node_layouts[key] = Layout.replicated(axes).replace("tp", p)
+            plan.extra["shard"] = {"tp": {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "gap": sol.gap,
+                                          "status": sol.status}}
+            plan.notes.append(sol.summary().replace(f", {sol.seconds:.2f} s;", ";"))  # no timings in a plan
+        if c.pp > 1:
+            plan.schedule = c.schedule
+            plan.split_points = list(ev.split_points)
+            if c.virtual > 1 and c.schedule == "interleaved_1f1b":
+                plan.extra["pp_virtual"] = c.virtual
+        if ev.recompute:
+            plan.recompute = {u: "full" for u in sorted(ev.recompute, key=self.model.unit_names.index)}
+        elif isinstance(self.recompute, Mapping):
+            plan.recompute = dict(self.recompute)
+        fus = self.pins.get("fusions")
+        plan.fusions = list(fus) if fus is not None else self._fusions(c)
+        try:
+            load_profile(self.hw.name)
+            plan.extra["hardware"] = self.hw.name
+        except ValueError:
+            pass
+        plan.predicted = plain({
+            "source": "planner", "hardware": self.hw.name, "step_s": ev.step_s, "tokens_per_s": ev.tokens_per_s,
+            "throughput_unit": self.model.tokens_per_row()[1], "mfu": ev.mfu, "peak_bytes": ev.peak_bytes,
+            "memory_limit_bytes": self.limit, "fits": ev.feasible, "memory_bytes": dict(ev.memory),
+            "bytes_sent_per_axis": {a: v["bytes_sent"] for a, v in ev.comm.items()},
+            "comm_per_axis": ev.comm, "compute_s": ev.compute_s, "bubble": ev.bubble, "recompute_s": ev.recompute_s,
+            "optimizer_s": ev.optimizer_s, "peak_bytes_per_pp_rank": ev.rank_peaks,
+        })
+        plan.notes.append(f"joint planner: {c.label()}, predicted step {seconds(ev.step_s)}, peak "
+                          f"{gib(ev.peak_bytes)} of {gib(self.limit)} per rank")
+        plan.notes += report.reasons()
+        return plan
+
+    def _fusions(self, c: Candidate) -> list[str]:
+        """The fusion search's choice for the chosen plan's per-rank batch, when that search
+        exists (`search.fusion.plan_fusions`; given the planner's analysis when it takes one)."""
+        try:
+            from autopar.search.fusion import plan_fusions  # noqa: PLC0415
+        except ImportError:
+            return []
+        import inspect  # noqa: PLC0415
+
+        kw: dict[str, Any] = {}
+        params = inspect.signature(plan_fusions).parameters
+        if "batch_split" in params:
+            kw["batch_split"] = c.dp * c.ep * c.micro
+        if "gc" in params:
+            kw["gc"] = self.model.gc
+        try:
+            res = plan_fusions(self.gm, self.hw, **kw)
+        except Exception as e:  # noqa: BLE001 - an optional inner step: reported, not fatal
+            self.notes.append(f"fusion search failed ({type(e).__name__}: {str(e)[:160]}); no fusions planned")
+            return []
+        if isinstance(res, tuple):
+            res = res[0]
+        names = getattr(res, "fusions", res)
+        return [str(n) for n in names] if isinstance(names, (list, tuple)) else []
+
+
+def _states(ev: Evaluation) -> float:
+    return sum(ev.memory.get(k, 0.0) for k in ("params", "grads", "master", "optimizer", "buffers"))
+
+
+# ------------------------------------------------------------------------ pins
+def _world(w: int | Mapping[str, int]) -> int:
+    if isinstance(w, Mapping):
+        return math.prod(int(v) for v in w.values())
+    if not isinstance(w, int) or w < 1:
+        raise ValueError(f"world size must be a positive integer or a dict of mesh axis sizes, got {w!r}")
+    return w
+
+
+def _normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
+    out = dict(pins or {})
+    unknown = [k for k in out if k not in PIN_KEYS]
+    if unknown:
+        raise ValueError(f"unknown pins {unknown}; the planner accepts {list(PIN_KEYS)}")
+    mesh = dict(out.pop("mesh", None) or {})
+    if isinstance(w, Mapping):
+        mesh = {**dict(w), **mesh}
+    if mesh:
+        bad = [a for a in mesh if a not in ("tp", "pp", "dp", "ep")]
+        if bad:
+            raise ValueError(f"mesh axes {bad} cannot be planned; use tp, pp, dp, ep")
+        for a in ("tp", "pp", "dp", "ep"):
+            if a in mesh and a in out and out[a] != mesh[a]:
+                raise ValueError(f"pins say {a}={out[a]} but the mesh says {a}={mesh[a]}")
+            out.setdefault(a, int(mesh.get(a, 1)))
+    for a in ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches"):
+        if a in out and (not isinstance(out[a], int) or out[a] < (0 if a == "zero_stage" else 1)):
+            raise ValueError(f"pin {a}={out[a]!r} must be a positive integer" + (" (0-3)" if a == "zero_stage" else ""))
+    if "zero_stage" in out and out["zero_stage"] not in (0, 1, 2, 3):
+        raise ValueError(f"pin zero_stage={out['zero_stage']} must be 0, 1, 2 or 3")
+    if "schedule" in out:
+        from autopar.runtime.schedules import SCHEDULES  # noqa: PLC0415
+
+        s = str(out["schedule"]).lower().replace("-", "_")
+        if s not in SCHEDULES:
+            raise ValueError(f"pinned schedule {out['schedule']!r} is unknown; choose one of {sorted(SCHEDULES)}")
+        out["schedule"] = s
+    if "param_layouts" in out:
+        pp: dict[str, Placement] = {}
+        for name, lay in dict(out["param_layouts"]).items():
+            if isinstance(lay, Layout):
+                p = lay.get("tp")
+            elif isinstance(lay, Mapping):
+                p = parse_placement(lay.get("tp", "R"))
+            else:
+                p = parse_placement(str(lay)) if isinstance(lay, str) else lay
+            pp[name] = p
+        out["param_layouts"] = pp
+    rc = out.get("recompute")
+    if rc is not None and not isinstance(rc, Mapping) and rc not in ("none", "full", "auto"):
+        raise ValueError(f"pin recompute={rc!r} must be 'none', 'full', 'auto' or {{module path: 'full'|'none'}}")
+    return out
+
+
+# ------------------------------------------------------------------------ cache
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """A hash of what the planner reads: ops, shapes, dtypes, module paths, parameters."""
+    from autopar.passes import ir  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        i = ir.get_info(n)
+        h.update(f"{n.op}|{n.target}|{i.shape if i else None}|{i.dtype if i else None}|"
+                 f"{i.module if i else ''}\n".encode())
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def _cache_key(gm, world, hw, pins, limit, global_batch, top_k, optimizer, support) -> str:
+    def enc(x):
+        if isinstance(x, Mapping):
+            return {str(k): enc(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+        if isinstance(x, (list, tuple)):
+            return [enc(v) for v in x]
+        if isinstance(x, (int, float, str, bool)) or x is None:
+            return x
+        return str(x)
+
+    blob = json.dumps({"v": PLANNER_VERSION, "graph": graph_fingerprint(gm), "world": world, "hw": hw.to_dict(),
+                       "pins": enc(pins), "limit": limit, "batch": global_batch, "k": top_k, "opt": str(optimizer),
+                       "support": enc(support)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _disk_get(cache_dir: str | None, key: str):
+    if not cache_dir:
+        return None
+    path = os.path.join(cache_dir, f"plan-{key}.json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return d["plan"], d["report"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _disk_put(cache_dir: str | None, key: str, value) -> None:
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, f"plan-{key}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(plain({"plan": value[0], "report": value[1]}), f, indent=1)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------ glue for parallelize
+def parallelize_auto(model, world_size: int | None = None, *, example_inputs, hardware: Any = None,
+                     memory_limit: float | None = None, pins: Mapping[str, Any] | None = None,
+                     device_type: str | None = None, top_k: int = 5, **parallelize_kwargs):
+    """`autopar.parallelize` for a mesh given by its size only: capture, `plan_for`, build the
+    chosen mesh, carry the plan out (`parallelize(..., plan=plan)`). What
+    `parallelize(model, autopar.mesh(world_size=N))` does once api.py calls the planner (until
+    then tests and users call this; it captures twice, api.py will not).
+
+    Every rank plans (deterministically, so all agree: the same graph, sizes and profile give
+    the same plan) before any per-rank state is built; an infeasible request raises here.
+    Returns the ParallelModel; its plan carries the planner's predictions
+    (`plan.predicted`, source "planner"; `cost.estimate`'s in `plan.predicted["estimate"]`)
+    and report (`plan.extra["planner"]`, printed by `explain.render_plan`).
+    """
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from autopar import api  # noqa: PLC0415
+    from autopar.capture import capture  # noqa: PLC0415
+
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    rows = next((t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.dim()), None)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    hw = hardware or ("cpu-gloo" if device_type == "cpu" else "h100-sxm")
+    global_gm = capture(model, args, leaf_modules=parallelize_kwargs.get("leaf_modules", ()))
+    plan, report = plan_for(global_gm, world_size, hw, pins=pins, memory_limit=memory_limit, global_batch=rows,
+                            top_k=top_k)
+    mesh = api.mesh(device_type=device_type, **plan.mesh)
+    predicted = dict(plan.predicted)
+    pm = api.parallelize(model, mesh, example_inputs=example_inputs, plan=plan,
+                         hardware=hw if isinstance(hw, str) else None, **parallelize_kwargs)
+    estimate_pred = {k: v for k, v in pm.plan.predicted.items() if k != "source"}
+    pm.plan.predicted = {**predicted, "estimate": estimate_pred}
+    return pm
