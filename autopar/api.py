@@ -34,9 +34,13 @@ from autopar.runtime.program import Program
 
 
 def mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None, **axes: int) -> Mesh:
-    """A device mesh: `autopar.mesh(world_size=64)`, `autopar.mesh(dp=8, tp=4, pp=2)`, a
-    `DeviceMesh`, or (no arguments) the world of the running torchrun job."""
-    return make_mesh(world_size, device_mesh=device_mesh, device_type=device_type, **axes)
+    """A device mesh: `autopar.mesh(world_size=64)` (parallelize's joint planner chooses its
+    axes), `autopar.mesh(dp=8, tp=4, pp=2)`, a `DeviceMesh`, or (no arguments) the world of the
+    running torchrun job."""
+    m = make_mesh(world_size, device_mesh=device_mesh, device_type=device_type, **axes)
+    if world_size is not None and device_mesh is None and not axes:
+        m.searched = True  # only a size: parallelize lets the joint planner factorise it
+    return m
 
 
 class ParallelModel(nn.Module):
@@ -113,7 +117,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                 pins: dict | None = None, zero_stage: int | None = None, bucket_mb: float | None = None,
                 n_microbatches: int | None = None, leaf_modules: Iterable[str] = (),
                 dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None,
-                memory_budget: float | int | None = None) -> ParallelModel:
+                memory_budget: float | int | None = None, memory_limit: float | None = None) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -131,6 +135,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         memory_budget: per-rank activation peak budget for activation recomputation: a
             fraction in [0, 1] (0 = every layer fully recomputed, 1 = no recomputation) or
             bytes; decides `plan.recompute` unless that is pinned.
+        memory_limit: bytes per device for the joint planner (used with a mesh given only by its
+            world size, `autopar.mesh(world_size=N)`); default 90 % of the hardware's memory.
     """
     if mesh is None:
         mesh = make_mesh()
@@ -143,15 +149,23 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         raise ValueError("the model's parameters are on the meta device; parallelize needs real weights "
                          "(plan and dump work on meta models: use autopar.capture / the CLI's `plan`)")
     fusions_pinned = plan is not None or "fusions" in (pins or {})
-    plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    global_gm = None
+    if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
+        global_gm = capture(model, args, leaf_modules=leaf_modules)
+        plan, mesh = _joint_plan(global_gm, mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware,
+                                 memory_limit)
+        pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
+        fusions_pinned = True  # so are the fusions (chosen by the planner)
+    plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
     for t in pytree.tree_leaves(args):
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % (dp * plan.n_microbatches):
             raise ValueError(f"the example batch has {t.shape[0]} rows, which does not divide by "
                              f"dp={dp} x micro-batches={plan.n_microbatches}; use a batch size that is a "
                              f"multiple of {dp * plan.n_microbatches}")
-    global_gm = capture(model, args, leaf_modules=leaf_modules)
+    if global_gm is None:
+        global_gm = capture(model, args, leaf_modules=leaf_modules)
     local_gm = _fresh(global_gm)
     if dp > 1 and _batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
@@ -209,8 +223,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         records += pp_records
         if "pipeline" in plan.extra:  # estimate() costs one stage; the pipeline's own prediction replaces its time
             pipe = plan.extra["pipeline"]
-            plan.predicted.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
-                                  peak_bytes_per_pp_rank=pipe["rank_memory_bytes"])
+            target = plan.predicted["estimate"] if plan.predicted.get("source") == "planner" else plan.predicted
+            target.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
+                          peak_bytes_per_pp_rank=pipe["rank_memory_bytes"])
     elif mesh.size("ep") > 1:
         from autopar.runtime.moe import ExpertProgram  # noqa: PLC0415
 
@@ -343,6 +358,29 @@ def _batch_is_static(gm) -> bool:
     return False
 
 
+def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware, memory_limit):
+    """Rank 0 plans and broadcasts: every rank carries out the same plan or raises the same error."""
+    from autopar.search.planner import plan_for  # noqa: PLC0415
+
+    all_pins = {**(pins or {}), **{k: v for k, v in {"zero_stage": zero_stage, "bucket_mb": bucket_mb,
+                                                     "n_microbatches": n_microbatches}.items() if v is not None}}
+    rows = next((t.shape[0] for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.dim()), None)
+    box: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            plan, _report = plan_for(global_gm, mesh.world_size, hardware or _hardware(mesh), pins=all_pins,
+                                     memory_limit=memory_limit, global_batch=rows)
+            box = [plan.to_json()]
+        except ValueError as e:
+            box = [{"error": str(e)}]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], dict):
+        raise ValueError(box[0]["error"])
+    plan = Plan.from_json(box[0])
+    return plan, make_mesh(device_type=mesh.device_type, **plan.mesh)
+
+
 def _fresh(gm):
     """A GraphModule with its own copy of `gm`'s graph and module tree but the same tensors:
     passes rewrite it and swap its parameters for shards without touching `gm` (kept as the
@@ -364,13 +402,15 @@ def _predict(plan: Plan, global_gm, local_gm, mesh: Mesh) -> None:
         from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
     except ImportError:
         return
+    planned = plan.predicted if plan.predicted.get("source") == "planner" else None
     try:
         hw = "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
         if _batch_is_static(global_gm):
-            plan.predicted = cost_estimate(local_gm, plan, hw).summary()
+            predicted = cost_estimate(local_gm, plan, hw).summary()
         else:
-            plan.predicted = cost_estimate(global_gm, plan, hw, batch_is_global=True).summary()
+            predicted = cost_estimate(global_gm, plan, hw, batch_is_global=True).summary()
         for axis, info in plan.extra.get("shard", {}).items():
-            plan.predicted[f"{axis}_comm_s"] = info["comm_s"]
+            predicted[f"{axis}_comm_s"] = info["comm_s"]
     except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
-        plan.predicted = {"error": f"{type(e).__name__}: {e}"}
+        predicted = {"error": f"{type(e).__name__}: {e}"}
+    plan.predicted = {**planned, "estimate": predicted} if planned is not None else predicted

@@ -25,7 +25,7 @@ import autopar
 from autopar.models import MoE, get
 from autopar.models import moe as moe_mod
 from autopar.search.plan_cost import Candidate, PlanCostModel
-from autopar.search.planner import RUNTIME_SUPPORT, candidates, clear_cache, parallelize_auto, plan_for
+from autopar.search.planner import RUNTIME_SUPPORT, candidates, clear_cache, plan_for
 from harness import world
 
 LOSS_ATOL, PARAM_TOL, BATCH, STEPS = 1e-5, 1e-4, 8, 3
@@ -58,7 +58,8 @@ def _reference(name):
 def _run(rank, ws, name, memory_limit):
     model, loss_fn, batch = _build(name)
     x0, _ = batch(BATCH, generator=torch.Generator().manual_seed(1))
-    pm = parallelize_auto(model, ws, example_inputs=x0, hardware="cpu-gloo", memory_limit=memory_limit)
+    pm = autopar.parallelize(model, autopar.mesh(world_size=ws), example_inputs=x0, hardware="cpu-gloo",
+                             memory_limit=memory_limit)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-2, eps=1e-6)
     g = torch.Generator().manual_seed(1)
     losses = []
