@@ -40,4 +40,9 @@ def plan_text(pm) -> str:
     buf = StringIO()
     Console(file=buf, width=100, force_terminal=False, color_system=None).print(t)
     notes = "\n".join(f"  - {n}" for n in plan.notes)
-    return buf.getvalue().rstrip() + ("\nnotes:\n" + notes if notes else "")
+    text = buf.getvalue().rstrip() + ("\nnotes:\n" + notes if notes else "")
+    if plan.extra.get("planner"):  # the joint planner's view: predictions, reasons, alternatives
+        from autopar.search.explain import render_plan  # noqa: PLC0415
+
+        text += "\n\n" + render_plan(plan).rstrip()
+    return text

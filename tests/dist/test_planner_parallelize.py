@@ -69,6 +69,8 @@ def _run(rank, ws, name, memory_limit):
         opt.step()
         opt.zero_grad()
     state = pm.engine.gather_full_state_dict()
+    text = pm.plan_text()  # the planner's view is part of the printed plan
+    assert "predicted" in text and str(pm.plan.mesh) in text, text
     layouts = {k: {a: str(p) for a, p in lay.axes} for k, lay in pm.plan.param_layouts.items()}
     return losses, state, layouts, pm.mesh.coords(rank), dict(pm.plan.mesh), pm.plan.predicted
 
