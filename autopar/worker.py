@@ -406,4 +406,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # leave without interpreter teardown: background threads of the process-group backends can
+    # abort a clean exit ("terminate called without an active exception") after the job is done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
