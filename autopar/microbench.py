@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from autopar.cost import Hardware
 from autopar.cost.comm import collective_time
-from autopar.cost.estimate import _Timer
+from autopar.cost.estimate import NodeTimer
 from autopar.cost.ops import OpCost
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,7 +180,7 @@ def predicted_seconds(item: dict[str, Any], hw: Hardware, *, link=None) -> float
     if kind == "collective":
         return collective_time(item["op"], item["payload"], item["group_size"], link.link, "ring", link.efficiency) \
             if item["op"] != "all_reduce" else link.time("all_reduce", item["payload"], "auto")
-    timer = _Timer(hw, {})
+    timer = NodeTimer(hw, {})
     if kind == "matmul":
         c = OpCost(kind="matmul", dtype=item["dtype"])
         return timer._t(c, item["flops"], 0.0, item["bytes"], 1)

@@ -223,7 +223,10 @@ def _fold(layers: list[LayerReport]):
 
 
 # ------------------------------------------------------------------------ times
-class _Timer:
+class NodeTimer:
+    """(forward, backward) seconds of one node on one rank: the one per-node time formula the
+    estimate, the searches (sharding, fusion, planner) and the memory timeline share."""
+
     def __init__(self, hw: Hardware, values):
         self.hw, self.values = hw, values
         self.cache: dict[Any, tuple[float, float]] = {}
@@ -344,7 +347,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         sizes["b"] = global_batch // per
     values = gc.values(sizes)
     ev = lambda x: evaluate(x, values)  # noqa: E731
-    timer = _Timer(hw, values)
+    timer = NodeTimer(hw, values)
     comp_div, mem_div = _divisors(gc, plan)
 
     # --- compute per node, per layer ------------------------------------------------------

@@ -446,10 +446,10 @@ def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_input
 def node_timer(gc: GraphCost, hardware: Any, vals):
     """Per-node (forward, backward) seconds on `hardware` (default: the profile `gc` was
     analysed with), as `estimate` computes them."""
-    from .estimate import _Timer
+    from .estimate import NodeTimer
     from .hardware import load_profile
 
-    return _Timer(load_profile(hardware or gc.hardware), vals)
+    return NodeTimer(load_profile(hardware or gc.hardware), vals)
 
 
 # ------------------------------------------------------------------------ plans -> regions

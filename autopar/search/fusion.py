@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost import OpCost, analyze, load_profile, register_op, register_saved
-from autopar.cost.estimate import _Timer  # the step estimate's per-node time: one formula for both sides
+from autopar.cost.estimate import NodeTimer  # the step estimate's per-node time: one formula for both sides
 from autopar.cost.graph import GraphCost, NodeCost
 from autopar.cost.hardware import Hardware
 from autopar.cost.ops import op_name
@@ -214,7 +214,7 @@ class _Coster:
 
     def __init__(self, gm: fx.GraphModule, gc: GraphCost, hw: Hardware, values):
         self.gc, self.hw, self.values = gc, hw, values
-        self.timer = _Timer(hw, values)
+        self.timer = NodeTimer(hw, values)
         self.by_name: dict[str, NodeCost] = {n.name: n for n in gc.nodes}
         self.rg = requires_grad_nodes(gm)
 

@@ -87,7 +87,7 @@ import torch.fx as fx
 
 from autopar.cost import analyze, evaluate, liveness, load_profile, model_states
 from autopar.cost.comm import axis_links
-from autopar.cost.estimate import _divisors, _Timer
+from autopar.cost.estimate import _divisors, NodeTimer
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import OptimizerSpec, padded_numel, rows_of, tp_local_shape
@@ -515,7 +515,7 @@ class PlanCostModel:
         info = self.sharding(t)
         values = self._values(rows)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
-        timer = _Timer(self.hw, values)
+        timer = NodeTimer(self.hw, values)
         fwd, bwd, act, flops = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
         ef, eb = np.zeros(L), np.zeros(L)
         memo: dict = {}
@@ -611,7 +611,7 @@ class PlanCostModel:
             return hit
         values = self._values(rows)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
-        timer = _Timer(self.hw, values)
+        timer = NodeTimer(self.hw, values)
         L = self.L
         f_, b_, ef, eb = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
         for nc, u, is_exp in zip(self.gc.nodes, self.node_unit, self.expert_node):

@@ -45,7 +45,7 @@ from scipy.sparse import coo_matrix
 
 from autopar.cost import analyze, load_profile
 from autopar.cost.comm import axis_links
-from autopar.cost.estimate import _Timer
+from autopar.cost.estimate import NodeTimer
 from autopar.cost.symbolic import evaluate
 from autopar.passes import ir
 from autopar.passes.rules.sharding import (Strategy, is_tensor, is_tuple, partial_grad, requires_grad_nodes,
@@ -159,7 +159,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     launch = hw.kernel_overhead_s
     gc = gc if gc is not None else analyze(gm, hw)
     values = gc.values(sizes)
-    timer = _Timer(hw, values)
+    timer = NodeTimer(hw, values)
     by_name = {nc.name: nc for nc in gc.nodes}
     sym_vals = _symbol_values(gm, gc, values)
     keys = ir.node_keys(gm)
