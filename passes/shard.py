@@ -277,7 +277,7 @@ def _localize(gm: fx.GraphModule, name: str, p: Shard, k: int, idx: int, done: d
                     setattr(m, a, new)
                 else:
                     m.register_buffer(a, new)
-    done[id(obj)] = (p, new)
+    done[id(obj)] = done[id(new)] = (p, new)  # a later name of the tie now finds `new`
 
 
 __all__ = ["shard", "ShardPlanError"]
