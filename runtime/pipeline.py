@@ -219,9 +219,9 @@ def backward_weight(state: WeightGradState) -> None:
 
 
 # ---------------------------------------------------------------------------- executor
-def _as_tuple(x, what: str) -> tuple[torch.Tensor, ...]:
+def _as_tuple(x, what: str, allow_none: bool = False) -> tuple[torch.Tensor, ...]:
     t = (x,) if torch.is_tensor(x) else tuple(x) if isinstance(x, (tuple, list)) else None
-    if t is None or not all(torch.is_tensor(v) for v in t):
+    if t is None or not all(torch.is_tensor(v) or (allow_none and v is None) for v in t):
         raise ValueError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}; "
                          "return only tensors from a pipeline stage")
     return t
@@ -422,7 +422,7 @@ class PipelineExecutor:
     def _forward(self, a: Action) -> None:
         s, m = a.stage, a.mb
         if s == 0:
-            inputs = _as_tuple(self._mbs[m], f"micro-batch {m}")
+            inputs = _as_tuple(self._mbs[m], f"micro-batch {m}", allow_none=True)  # an optional input left out
         else:
             inputs = self._take(("F", s - 1, m))
         out = self.modules[s](*inputs)

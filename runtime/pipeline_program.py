@@ -146,9 +146,10 @@ class PipelineProgram(nn.Module):
             if kwargs:
                 raise ValueError("this pipeline was built without an input spec; pass inputs positionally")
             flat = list(args)
-        bad = [type(x).__name__ for x in flat if not isinstance(x, torch.Tensor)]
-        if bad:
-            raise ValueError(f"pipeline inputs must be tensors (they travel to stage 0 as micro-batches); got {bad}")
+        bad = [type(x).__name__ for x in flat if not (x is None or isinstance(x, torch.Tensor))]
+        if bad:  # None (an optional input left out, e.g. an attention mask) reaches stage 0 as None
+            raise ValueError(f"pipeline inputs must be tensors or None (they travel to stage 0 as micro-batches); "
+                             f"got {bad}")
         return flat
 
     def _unflatten(self, out):
@@ -357,12 +358,18 @@ class PipelineEngines:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every stage's master gradients so that the norm over the whole model (every
-        pp rank and dp shard; a tied weight once) is at most `max_norm`; returns the norm
-        before clipping."""
+        pp rank, dp shard and tensor-parallel shard; a tied weight once) is at most `max_norm`;
+        returns the norm before clipping (accumulated in fp32, fp64 for fp64 gradients)."""
         self.finish_backward()
         norm_type = float(norm_type)
         inf = norm_type == math.inf
-        grads, counted = [], []
+
+        def live(axes) -> tuple[str, ...]:
+            return tuple(a for a in axes if self.mesh.size(a) > 1)
+
+        grads, parts = [], {}
+        mp = [e.model_parallel for e in self.engines.values()]
+        keys = [()] + sorted({live(v) for m in mp for v in m.values()} - {()})  # the same on tp and dp peers
         for s, e in sorted(self.engines.items()):
             for sl in e.slots:
                 g = sl.master.grad
@@ -370,18 +377,24 @@ class PipelineEngines:
                     continue
                 grads.append(g)
                 if (s, sl.name) not in self._dup:
-                    counted.append(g)
+                    parts.setdefault(live(e.model_parallel.get(sl.name, ())), []).append(g)
         dev = self.mesh.device
+        acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         if inf:
-            local = max((g.detach().abs().max().float().to(dev) for g in counted if g.numel()),
-                        default=torch.zeros((), device=dev))
+            t = torch.stack([max((g.detach().abs().max().to(dev, acc) for g in parts.get(k, []) if g.numel()),
+                                 default=torch.zeros((), device=dev, dtype=acc)) for k in keys])
         else:
-            local = sum((g.detach().float().abs().pow(norm_type).sum().to(dev) for g in counted),
-                        torch.zeros((), device=dev))
-        t = local.reshape(1).clone()
-        sharded = any(e.stage >= 1 and e.k > 1 for e in self.engines.values())
-        if sharded:
+            t = torch.stack([sum((g.detach().to(acc).abs().pow(norm_type).sum().to(dev) for g in parts.get(k, [])),
+                                 torch.zeros((), device=dev, dtype=acc)) for k in keys])
+        if any(e.stage >= 1 and e.k > 1 for e in self.engines.values()):
             C.all_reduce_(t, self.dp_axis, "max" if inf else "sum")
+        out = [t[0]]
+        for i, key in enumerate(keys[1:], start=1):  # each part reduced over the axes that shard it
+            part = t[i:i + 1].clone()
+            for a in key:
+                C.all_reduce_(part, a, "max" if inf else "sum")
+            out.append(part[0])
+        t = (torch.stack(out).max() if inf else torch.stack(out).sum()).reshape(1)
         if self.mesh.size(self.pp_axis) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.mesh.group(self.pp_axis))
             C.COUNTER.record("all_reduce", self.pp_axis, t.numel() * t.element_size())

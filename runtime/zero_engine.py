@@ -262,7 +262,7 @@ class EngineBase:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the master gradients so that their global norm (over every shard of the
-        axis) is at most `max_norm`; returns the norm before clipping (fp32)."""
+        axis) is at most `max_norm`; returns the norm before clipping (fp32; fp64 for fp64 masters)."""
         if not self._grads_ready:
             self.finish_backward()
         norm_type = float(norm_type)
@@ -280,6 +280,7 @@ class EngineBase:
 
         keys = [()] + sorted({live(v) for v in self.model_parallel.values()} - {()})
         mp_axes = sorted({a for k in keys for a in k})
+        acc = torch.float64 if any(sl.master.dtype == torch.float64 for sl in self.slots) else torch.float32
         if norm_type == float("inf"):
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max().float() if grads else \
                 torch.zeros((), device=dev)
@@ -293,7 +294,8 @@ class EngineBase:
             parts = []
             for key in keys:
                 gs = [g for axes, lst in groups.items() for g in lst if live(axes) == key]
-                parts.append(sum((g.float().abs().pow(norm_type).sum() for g in gs), torch.zeros((), device=dev)))
+                parts.append(sum((g.to(acc).abs().pow(norm_type).sum() for g in gs),
+                                 torch.zeros((), device=dev, dtype=acc)))
             t = torch.stack(parts).to(self.device)
             if sharded:
                 C.all_reduce_(t, self.axis, "sum")
