@@ -28,8 +28,10 @@ from autopar.passes.plan import Plan
 from autopar.passes.recompute import recompute
 from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
+from autopar.passes.sync_batchnorm import sync_batchnorm
 from autopar.passes.zero import zero
 from autopar.runtime.mesh import Mesh, make_mesh
+from autopar.runtime.placement import Layout, Replicate, Shard
 from autopar.runtime.program import Program
 
 
@@ -185,6 +187,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         plan.extra["expert"] = plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches,
                                             hardware=hardware or _hardware(mesh))
         plan.notes += plan.extra["expert"]["notes"]
+    if mesh.size("ep") > 1:
+        _grouped_expert_layouts(plan, mesh)
     if fusions_pinned:
         from autopar.passes.rules.fusion_table import selection  # noqa: PLC0415
 
@@ -194,7 +198,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         _search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
                         1 if static else dp * plan.n_microbatches)
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, expert, zero, fuse], dump_dir=dump_dir)
+    pm = PassManager([split_batch, shard, expert, sync_batchnorm, zero, fuse], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
         from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
@@ -244,6 +248,18 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     pmodel.__dict__["stage_graphs"] = stage_graphs
     return pmodel
 
+
+def _grouped_expert_layouts(plan: Plan, mesh: Mesh) -> None:
+    """Grouped expert parameters (transformers' fused (E, ...) experts) keep this rank's experts'
+    rows: record the ep cut of dim 0 so checkpoints and exports describe the program."""
+    for b in plan.extra["expert"]["blocks"].values():
+        if b["idiom"] != "sorted":
+            continue
+        for name in b["expert_params"]:
+            base = plan.param_layouts.get(name) or Layout.replicated(tuple(mesh.sizes))
+            if "ep" not in dict(base.axes):
+                base = Layout(base.axes + (("ep", Replicate()),))
+            plan.param_layouts[name] = base.replace("ep", Shard(0))
 
 def optimizer(model: ParallelModel, cls: type, **kwargs: Any):
     """The optimizer for a parallelised model: `cls` over this rank's (possibly sharded) state."""
@@ -295,7 +311,7 @@ def _search_sharding(plan: Plan, gm, mesh: Mesh, hardware: str) -> None:
     """Solve the sharding ILP for every sharding axis the plan does not already fix; rank 0
     solves and the others receive its answer, so every rank carries out the same plan."""
     from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
-    from autopar.runtime.placement import Layout, parse_placement  # noqa: PLC0415
+    from autopar.runtime.placement import parse_placement  # noqa: PLC0415
 
     for axis in SHARD_AXES:
         k = mesh.sizes.get(axis, 1)

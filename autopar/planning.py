@@ -42,6 +42,7 @@ from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
+from autopar.passes.sync_batchnorm import sync_batchnorm
 from autopar.passes.zero import zero
 from autopar.runtime.mesh import AXIS_ORDER, Mesh
 
@@ -171,7 +172,7 @@ def rank_graph(global_gm: fx.GraphModule, plan: Plan, rank: int, *, with_recompu
     it and no pipeline, as parallelize runs them) on meta, and the pass records."""
     mesh = Mesh(dict(plan.mesh))
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, zero])
+    pm = PassManager([split_batch, shard, sync_batchnorm, zero])
     gm = pm.run(_fresh(global_gm), ctx, tag=f"rank{rank}")
     records = list(pm.records)
     if with_recompute and plan.mesh.get("pp", 1) == 1 and any(v != "none" for v in plan.recompute.values()):
