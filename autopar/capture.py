@@ -19,9 +19,14 @@ The result is normalised to one form whatever the path:
   * parameters and buffers are `get_attr` nodes named as in the original model;
   * every node has `meta["val"]` (fake tensor) and, through `passes.ir`, the annotation
     `meta["autopar"]` (shape, dtype, module path, parameter name).
-  * `gm.meta["autopar_capture"]`: which path worked, seconds taken, errors of failed paths.
+  * `gm.meta["autopar_capture"]`: which path worked, seconds taken, errors of failed paths,
+    and what capture adjusted on the model while tracing ("adjusted": a transformers
+    `config.use_cache` is switched off, since a KV cache is for generation and no capture
+    path can return it; it is restored afterwards).
 """
 from __future__ import annotations
+
+import contextlib
 
 import time
 import traceback
@@ -70,7 +75,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
     if leaf_modules:
         dynamic_batch = False  # an opaque leaf's output shape is inferred for the example's shapes
     errors: dict[str, str] = {}
-    with leaf_rt.opaque(model, leaf_modules, args, kwargs):
+    with leaf_rt.opaque(model, leaf_modules, args, kwargs), _training_config(model) as adjusted:
         for path in paths:
             t0 = time.perf_counter()
             try:
@@ -93,10 +98,27 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
             gm.meta["autopar_in_spec"] = in_spec
             gm.meta["autopar_out_spec"] = out_spec
             gm.meta["autopar_capture"] = {"path": path, "seconds": round(time.perf_counter() - t0, 3),
-                                         "failed": errors}
+                                         "failed": errors, "adjusted": adjusted}
             ir.annotate_graph(gm, model)
             return gm
     raise CaptureError(_explain(model, errors))
+
+
+@contextlib.contextmanager
+def _training_config(model: nn.Module):
+    """transformers models default to `config.use_cache=True`, which makes a training forward
+    build and return a KV cache object (no tensor pytree, so no path can capture it). A KV
+    cache serves generation only: it is off while capturing, restored after, and the change is
+    listed in `gm.meta["autopar_capture"]["adjusted"]`."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None) is True}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield ["config.use_cache=False (a KV cache is for generation)"] if configs else []
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 # --- paths -------------------------------------------------------------------------------

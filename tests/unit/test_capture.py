@@ -129,3 +129,17 @@ def test_llama3_70b_captures_on_meta_in_under_1gb():
     gm = autopar.capture(model, inputs)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 2**20  # KiB -> < 1 GiB
     assert sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default) == 80 * 7 + 1
+
+
+def test_transformers_default_use_cache_is_switched_off_for_capture_and_restored():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1))
+    assert m.config.use_cache is True  # the default a user gets
+    x = torch.randint(0, 64, (2, 8))
+    gm = autopar.capture(m, (x,))
+    assert gm.meta["autopar_capture"]["adjusted"] == ["config.use_cache=False (a KV cache is for generation)"]
+    assert m.config.use_cache is True
+    torch.testing.assert_close(gm(x)[0], m(x, use_cache=False).logits, atol=1e-6, rtol=0)
