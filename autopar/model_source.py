@@ -4,6 +4,7 @@ Three spellings, tried in this order:
 
   * a reference model name from `autopar.models` (`gpt-tiny`, `llama3-70b` ...; the short
     aliases `llama-7b`, `llama-8b`, `llama-70b`, `llama-405b`, `mixtral`, `vit` work too);
+  * a zoo row (`autopar.models.zoo`: `hf-llama` at its published size, `hf-llama:tiny` small);
   * a transformers config: a local `config.json` file or a directory holding one (built with
     `AutoModelForCausalLM.from_config`, `use_cache=False`, fed random token ids);
   * `package.module:factory`: `factory()` returns an `autopar.models.ModelSpec`, or an
@@ -55,6 +56,7 @@ class ModelSource:
 def resolve(text: str) -> ModelSource:
     """The ModelSource for a model argument (see the module docstring)."""
     from autopar import models
+    from autopar.models import zoo
 
     name = ALIASES.get(text, text)
     if name in models.names():
@@ -63,6 +65,9 @@ def resolve(text: str) -> ModelSource:
         seq = getattr(cfg, "max_seq_len", None)
         return ModelSource(text, name, "registry", spec.build, spec.example_batch, spec.loss_fn,
                            "the model's own loss (autopar.models)", seq)
+    zoo_source = _zoo(text)
+    if zoo_source is not None:
+        return zoo_source
     path = Path(text)
     if path.is_dir() and (path / "config.json").exists():
         return _transformers(text, path / "config.json")
@@ -73,8 +78,23 @@ def resolve(text: str) -> ModelSource:
     close = difflib.get_close_matches(text, list(models.names()) + list(ALIASES), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"unknown model {text!r}.{hint} Give a reference model ({', '.join(models.names())}), "
+                     f"a zoo row (real size; ':tiny' for the small config: {', '.join(zoo.names())}), "
                      "a transformers config (a local config.json or a directory holding one), or "
                      "'package.module:factory' returning a ModelSpec or an nn.Module")
+
+
+# ------------------------------------------------------------------------ zoo rows
+def _zoo(text: str) -> ModelSource | None:
+    from autopar.models import zoo
+
+    name, _, size = text.partition(":")
+    if name not in zoo.names() or size not in ("", "tiny", "real"):
+        return None
+    row, size = zoo.get(name), size or "real"
+    sp = zoo.spec(name, size)
+    seq = (16 if size == "tiny" else row.real_seq) if row.task != "image" else None
+    return ModelSource(text, sp.name, "zoo", sp.build, sp.example_batch, sp.loss_fn,
+                       "cross-entropy of the logits against random targets", seq)
 
 
 # ------------------------------------------------------------------------ transformers

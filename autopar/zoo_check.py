@@ -1,0 +1,224 @@
+"""Run the model zoo (`autopar.models.zoo`): parity on gloo at tiny size, plans at real size.
+
+`parity(row)` runs, for each of the row's meshes, one fresh gloo world of that many CPU
+processes: `autopar.parallelize` (the planner when the mesh is `world_size=N`), three AdamW
+steps on the global batch, the global gradient norm of the first step, and the full state
+dict after the steps (`autopar.export_state_dict`, parameters and buffers such as batch-norm
+statistics); then the same steps on one process with the same seed and batches. Each mesh
+gets its own world, so a failure is that mesh's alone. Rank 0 writes `model.dump()` and the
+plan text; every rank its program.
+
+`plan_real(row)` builds the row at its published size on the meta device, captures it and
+runs the joint planner for a cluster (default 64 H100s: `h100-64`), and reports the plan
+text, capture and search seconds; peak RAM is the process's, so run one row per process
+(benchmarks/bench_zoo.py does).
+
+Tolerances (fp32): loss 1e-5 absolute every step, gradient norm 1e-5 relative, parameters
+and buffers after 3 steps 1e-4 absolute (as the data- and tensor-parallel tests: AdamW with
+eps=1e-6 at lr 1e-2, where rounding-order noise on near-zero gradients moves a weight by up
+to ~1% of a step). fp64 rows: loss 1e-6 (transformers keeps some fp32 islands), gradient norm
+1e-9 relative, parameters 1e-7.
+
+It reads and writes no `node.meta` keys.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from autopar.models import zoo
+
+STEPS, BATCH, SEQ, LR, EPS = 3, 8, 16, 1e-2, 1e-6
+TOLERANCES = {"float32": {"loss": 1e-5, "grad_norm_rel": 1e-5, "param": 1e-4},
+              "float64": {"loss": 1e-6, "grad_norm_rel": 1e-9, "param": 1e-7}}
+
+
+@dataclass
+class MeshResult:
+    row: str
+    asked: dict  # the mesh asked for ({"world_size": 4} runs the planner)
+    ok: bool = False
+    error: str = ""
+    mesh: dict = field(default_factory=dict)  # the mesh that ran
+    loss_diff: float = float("nan")
+    grad_norm_rel: float = float("nan")
+    param_diff: float = float("nan")
+    worst_param: str = ""
+    missing: list = field(default_factory=list)
+    tolerances: dict = field(default_factory=dict)
+    plan_text: str = ""
+    dump_files: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        mesh = ",".join(f"{k}={v}" for k, v in self.asked.items())
+        if self.error and not self.mesh:
+            return f"{self.row:14s} {mesh:14s} ERROR {self.error.strip().splitlines()[-1][:160]}"
+        ran = ",".join(f"{k}={v}" for k, v in self.mesh.items())
+        return (f"{self.row:14s} {mesh:14s} ran {ran:18s} loss {self.loss_diff:.1e} grad-norm {self.grad_norm_rel:.1e} "
+                f"params {self.param_diff:.1e} {'OK' if self.ok else 'FAIL'} ({self.seconds:.1f} s)")
+
+
+def _world_size(asked: dict) -> int:
+    if "world_size" in asked:
+        return int(asked["world_size"])
+    n = 1
+    for v in asked.values():
+        n *= int(v)
+    return n
+
+
+def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: str | None):
+    import autopar  # noqa: PLC0415
+
+    sp = zoo.spec(name, "tiny")
+    torch.manual_seed(0)
+    model = sp.build()
+    x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
+    pm = autopar.parallelize(model, autopar.mesh(**asked), example_inputs=x0, **opts)
+    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=LR, eps=EPS)
+    g = torch.Generator().manual_seed(1)
+    losses, norm = [], None
+    for i in range(STEPS):
+        x, y = sp.example_batch(BATCH, seq_len=SEQ, generator=g)
+        losses.append(float(pm.step((x, y), sp.loss_fn)))
+        if i == 0:
+            norm = float(pm.engine.clip_grad_norm_(1e9))
+        opt.step()
+        opt.zero_grad()
+    sd = autopar.export_state_dict(pm, like=model)
+    files = pm.dump(dump_dir) if dump_dir else []
+    text = pm.plan_text() if rank == 0 else ""
+    return losses, norm, sd, dict(pm.plan.mesh), text, files
+
+
+def _reference(name: str):
+    sp = zoo.spec(name, "tiny")
+    torch.manual_seed(0)
+    model = sp.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    g = torch.Generator().manual_seed(1)
+    losses, norm = [], None
+    for i in range(STEPS):
+        x, y = sp.example_batch(BATCH, seq_len=SEQ, generator=g)
+        loss = sp.loss_fn(model(*x), y)
+        loss.backward()
+        if i == 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norm, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: float = 300.0) -> list[MeshResult]:
+    """Every mesh of the row (or `meshes`: [(mesh kwargs, parallelize options)]) against one process."""
+    from autopar.runtime.launch import run_world  # noqa: PLC0415
+
+    row = zoo.get(name)
+    why = row.available()
+    if why:
+        raise zoo.RowUnavailable(f"{name}: {why}")
+    tol = TOLERANCES[row.dtype]
+    ref_losses, ref_norm, ref_sd = _reference(name)
+    out = []
+    for asked, opts in (meshes if meshes is not None else row.meshes):
+        r = MeshResult(name, dict(asked), tolerances=dict(tol))
+        tag = "_".join(f"{k}{v}" for k, v in asked.items())
+        dump_dir = os.path.join(dump_root, name, tag) if dump_root else None
+        t0 = time.perf_counter()
+        try:
+            res = run_world(_world_size(asked), _run_rank, name, dict(asked), dict(opts), dump_dir,
+                            timeout_s=timeout_s, collective_timeout_s=60.0)
+        except Exception as e:  # noqa: BLE001 - reported per mesh, the row goes on
+            r.error = "".join(traceback.format_exception_only(type(e), e))
+            r.seconds = time.perf_counter() - t0
+            out.append(r)
+            continue
+        r.seconds = time.perf_counter() - t0
+        losses, norm, sd, r.mesh, r.plan_text, _ = res[0]
+        r.dump_files = sorted({os.path.basename(f) for *_x, files in res for f in files})
+        r.loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        r.grad_norm_rel = abs(norm - ref_norm) / max(abs(ref_norm), 1e-30)
+        worst, r.missing = ("", 0.0), sorted(k for k in ref_sd if k not in sd)
+        for k, v in ref_sd.items():
+            if k in sd and v.is_floating_point():
+                d = float((sd[k].double() - v.double()).abs().max()) if v.numel() else 0.0
+                if d > worst[1] or not worst[0]:
+                    worst = (k, d)
+        r.worst_param, r.param_diff = worst
+        r.error = _mismatch(losses, ref_losses, norm, ref_norm, sd, ref_sd, tol, r.missing)
+        r.ok = not r.error
+        out.append(r)
+    return out
+
+
+def _mismatch(losses, ref_losses, norm, ref_norm, sd, ref_sd, tol, missing) -> str:
+    """'' when everything is within tolerance, else what torch.testing.assert_close said."""
+    from torch.testing import assert_close  # noqa: PLC0415
+
+    try:
+        assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
+                     atol=tol["loss"], rtol=0, msg=lambda m: f"losses per step: {m}")
+        assert_close(norm, ref_norm, atol=0, rtol=tol["grad_norm_rel"], msg=lambda m: f"gradient norm: {m}")
+        for k, v in ref_sd.items():
+            if k in sd and v.is_floating_point():
+                assert_close(sd[k].double(), v.double(), atol=tol["param"], rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+    except AssertionError as e:
+        return f"parity: {e}"
+    return f"missing from the parallel state dict: {missing[:5]}" if missing else ""
+
+
+# --- real size ----------------------------------------------------------------------------------
+@dataclass
+class RealPlan:
+    row: str
+    model: str
+    params_b: float
+    world_size: int
+    hardware: str
+    batch: int
+    seq: int | None
+    mesh: dict
+    step_s: float
+    peak_gib: float
+    capture_s: float
+    search_s: float
+    peak_rss_gib: float
+    text: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_real(name: str, *, world_size: int = 64, hardware: str = "h100-64", top: int = 3) -> RealPlan:
+    """Capture the row at its published size on meta and plan it for `world_size` devices."""
+    from autopar.model_source import ModelSource  # noqa: PLC0415
+    from autopar.plan_view import plan_text  # noqa: PLC0415
+    from autopar.planning import plan_model  # noqa: PLC0415
+
+    row = zoo.get(name)
+    sp = zoo.spec(name, "real")
+    src = ModelSource(name, name, "zoo", sp.build, sp.example_batch, sp.loss_fn, "cross-entropy of the logits",
+                      row.real_seq)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in sp.build().parameters())
+    r = plan_model(src, world_size=world_size, hardware=hardware, batch=row.real_batch, seq=row.real_seq, top=top)
+    best = r.best
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    return RealPlan(name, row.real_name, n_params / 1e9, world_size, hardware, row.real_batch, row.real_seq,
+                    dict(best.plan.mesh), float(best.step_s), float(best.peak_bytes) / 2**30,
+                    float(r.seconds.get("capture_s", 0.0)), float(r.seconds.get("search_s", 0.0)), rss,
+                    plan_text(r, top))
+
+
+__all__ = ["MeshResult", "RealPlan", "TOLERANCES", "parity", "plan_real"]

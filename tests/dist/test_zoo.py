@@ -1,0 +1,69 @@
+"""The model zoo's coverage matrix, a test per row (autopar.models.zoo, autopar.zoo_check).
+
+Each row is a transformers (or timm) model built from a small config with random weights, as
+a user brings it: capture -> plan -> run on gloo (4 processes) under each of the row's meshes
+(the joint planner's choice for 4 ranks, dp x tp, pp x dp; ep for Mixtral; pp x tp for Llama),
+each against one process with the same seed and batches: the loss of every step, the global
+gradient norm of the first step and every parameter and buffer after 3 AdamW steps, with the
+tolerances in autopar/zoo_check.py (fp32: loss 1e-5, gradient norm 1e-5 relative, parameters
+1e-4; the ResNet rows run in fp64: 1e-6, 1e-9, 1e-7). Each mesh must also print its plan and
+write its graph dump.
+
+timm rows run when timm imports; on the CPU machine it cannot be installed without replacing
+the CPU torch (no CPU torchvision), so they are reported with that reason.
+"""
+import os
+
+import pytest
+
+transformers = pytest.importorskip("transformers")  # imported before the worlds fork
+
+from autopar import zoo_check  # noqa: E402
+from autopar.models import zoo  # noqa: E402
+
+DUMP_FILES = {"plan.json", "graph_captured.py", "report.txt", "passes.json", "rank0_program.py"}
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_zoo_row(name, tmp_path):
+    why = zoo.get(name).available()
+    if why:
+        pytest.skip(f"red: {why}")
+    results = zoo_check.parity(name, dump_root=str(tmp_path))
+    assert len(results) == len(zoo.get(name).meshes)
+    for r in results:
+        assert not r.error, f"{r.line()}\n{r.error}"
+        assert r.ok
+        want = r.asked.get("world_size") or 0
+        if want:  # the planner chose a mesh of that many ranks
+            n = 1
+            for v in r.mesh.values():
+                n *= v
+            assert n == want, r.mesh
+        else:
+            assert {k: v for k, v in r.mesh.items() if v > 1} == r.asked
+        assert r.plan_text and "mesh" in r.plan_text, r.plan_text[:300]
+        assert DUMP_FILES <= set(r.dump_files), r.dump_files
+        if r.mesh.get("pp", 1) > 1:
+            assert {"stage0.py", "stage1.py", "schedule.txt"} <= set(r.dump_files)
+        tag = "_".join(f"{k}{v}" for k, v in r.asked.items())
+        assert os.path.getsize(tmp_path / name / tag / "graph_captured.py") > 1000
+
+
+def test_timm_rows_state_their_reason_when_timm_is_missing():
+    for name in ("timm-resnet50", "timm-vit"):
+        row = zoo.get(name)
+        why = row.available()
+        if why is None:
+            continue  # timm imports here: test_zoo_row runs the row
+        with pytest.raises(zoo.RowUnavailable, match="timm"):
+            zoo.build(name, "tiny")
+        with pytest.raises(zoo.RowUnavailable):
+            zoo_check.parity(name)
+
+
+def test_unknown_row_names_the_rows():
+    with pytest.raises(ValueError, match="hf-llama"):
+        zoo.spec("hf-llamma")
+    with pytest.raises(ValueError, match="tiny"):
+        zoo.spec("hf-llama", "huge")
