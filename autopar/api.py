@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         model: the nn.Module (same seed and weights on every rank, or they are broadcast from
             data-parallel rank 0 when `sync_init`).
         mesh: an autopar Mesh, a DeviceMesh, or None for the running job's world (all dp).
-        example_inputs: a global batch of inputs (tensor or tuple) to capture with.
+        example_inputs: a global batch of inputs to capture with: a tensor, a tuple of the
+            positional inputs, or a dict of keyword inputs (`model(**batch)`, e.g. a
+            transformers batch with `labels`); `model.step` then takes the same form.
         plan: a full Plan to carry out; `pins` fixes some of its fields instead.
         zero_stage, bucket_mb, n_microbatches: shortcuts for the same pins.
         leaf_modules: submodules to keep opaque at capture.
@@ -151,31 +153,32 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         raise ValueError("the model's parameters are on the meta device; parallelize needs real weights "
                          "(plan and dump work on meta models: use autopar.capture / the CLI's `plan`)")
     fusions_pinned = plan is not None or "fusions" in (pins or {})
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}  # model(**batch), as in HF
+    args = () if kwargs else tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     global_gm = None
     if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
-        global_gm = capture(model, args, leaf_modules=leaf_modules)
-        plan, mesh = _joint_plan(global_gm, mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware,
+        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules)
+        plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), pins, zero_stage, bucket_mb, n_microbatches, hardware,
                                  memory_limit)
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
         fusions_pinned = True  # so are the fusions (chosen by the planner)
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
-    for t in pytree.tree_leaves(args):
+    for t in pytree.tree_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % (dp * plan.n_microbatches):
             raise ValueError(f"the example batch has {t.shape[0]} rows, which does not divide by "
                              f"dp={dp} x micro-batches={plan.n_microbatches}; use a batch size that is a "
                              f"multiple of {dp * plan.n_microbatches}")
     if global_gm is None:
-        global_gm = capture(model, args, leaf_modules=leaf_modules)
+        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules)
     local_gm = _fresh(global_gm)
     if dp > 1 and _batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
         # capture again at the local micro-batch size for the per-rank program
         k = dp * plan.n_microbatches
-        local_args = pytree.tree_map(lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t,
-                                     args)
-        local_gm = _fresh(capture(model, local_args, leaf_modules=leaf_modules))
+        local_args, local_kwargs = pytree.tree_map(
+            lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t, (args, kwargs))
+        local_gm = _fresh(capture(model, local_args, example_kwargs=local_kwargs, leaf_modules=leaf_modules))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))

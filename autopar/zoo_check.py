@@ -77,10 +77,14 @@ def _world_size(asked: dict) -> int:
     return n
 
 
-def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: str | None):
+def _call(model, x):
+    return model(**x) if isinstance(x, dict) else model(*x)
+
+
+def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: str | None, style: str):
     import autopar  # noqa: PLC0415
 
-    sp = zoo.spec(name, "tiny")
+    sp = zoo.spec(name, "tiny", style)
     torch.manual_seed(0)
     model = sp.build()
     x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
@@ -101,8 +105,8 @@ def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: 
     return losses, norm, sd, dict(pm.plan.mesh), text, files
 
 
-def _reference(name: str):
-    sp = zoo.spec(name, "tiny")
+def _reference(name: str, style: str):
+    sp = zoo.spec(name, "tiny", style)
     torch.manual_seed(0)
     model = sp.build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -110,7 +114,7 @@ def _reference(name: str):
     losses, norm = [], None
     for i in range(STEPS):
         x, y = sp.example_batch(BATCH, seq_len=SEQ, generator=g)
-        loss = sp.loss_fn(model(*x), y)
+        loss = sp.loss_fn(_call(model, x), y)
         loss.backward()
         if i == 0:
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
@@ -120,8 +124,10 @@ def _reference(name: str):
     return losses, norm, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: float = 300.0) -> list[MeshResult]:
-    """Every mesh of the row (or `meshes`: [(mesh kwargs, parallelize options)]) against one process."""
+def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: float = 300.0,
+           style: str = "positional") -> list[MeshResult]:
+    """Every mesh of the row (or `meshes`: [(mesh kwargs, parallelize options)]) against one process;
+    `style="labels"` feeds `{"input_ids", "labels"}` and trains on the model's own loss."""
     from autopar.runtime.launch import run_world  # noqa: PLC0415
 
     row = zoo.get(name)
@@ -129,7 +135,7 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
     if why:
         raise zoo.RowUnavailable(f"{name}: {why}")
     tol = TOLERANCES[row.dtype]
-    ref_losses, ref_norm, ref_sd = _reference(name)
+    ref_losses, ref_norm, ref_sd = _reference(name, style)
     out = []
     for asked, opts in (meshes if meshes is not None else row.meshes):
         r = MeshResult(name, dict(asked), tolerances=dict(tol))
@@ -137,7 +143,7 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
         dump_dir = os.path.join(dump_root, name, tag) if dump_root else None
         t0 = time.perf_counter()
         try:
-            res = run_world(_world_size(asked), _run_rank, name, dict(asked), dict(opts), dump_dir,
+            res = run_world(_world_size(asked), _run_rank, name, dict(asked), dict(opts), dump_dir, style,
                             timeout_s=timeout_s, collective_timeout_s=60.0)
         except Exception as e:  # noqa: BLE001 - reported per mesh, the row goes on
             r.error = "".join(traceback.format_exception_only(type(e), e))

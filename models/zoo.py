@@ -209,11 +209,36 @@ def logits_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def spec(name: str, size: str = "tiny") -> ModelSpec:
-    """The row as a ModelSpec at `size`; `example_batch` draws the row's inputs and targets."""
+def _labels_batch(batch_size: int, *, seq_len: int | None = None, generator: torch.Generator | None = None,
+                  device: Any = "cpu", vocab_size: int, max_seq_len: int):
+    """({"input_ids": ids, "labels": ids}, None): the model shifts the labels and returns its loss."""
+    (ids,), _ = token_batch(batch_size, seq_len=seq_len, generator=generator, device=device, vocab_size=vocab_size,
+                            max_seq_len=max_seq_len)
+    return {"input_ids": ids, "labels": ids.clone()}, None
+
+
+def model_loss(out: Any, targets: Any = None) -> torch.Tensor:
+    """The loss the model computed itself (`out["loss"]`, from `labels=`)."""
+    return out["loss"]
+
+
+def spec(name: str, size: str = "tiny", style: str = "positional") -> ModelSpec:
+    """The row as a ModelSpec at `size`; `example_batch` draws the row's inputs and targets.
+
+    style "positional": ((inputs...), targets) and the cross-entropy of the logits;
+    "labels" (language models): ({"input_ids", "labels"}, None) and the model's own loss,
+    the way a transformers user calls `model(**batch).loss`."""
     if size not in ("tiny", "real"):
         raise ValueError(f"size must be 'tiny' or 'real', got {size!r}")
     row = get(name)
+    if style == "labels":
+        if row.task not in ("causal_lm", "masked_lm"):
+            raise ValueError(f"style='labels' is for language models; {name} is {row.task}")
+        max_seq = 64 if size == "tiny" else int(row.real_seq or 512)
+        batch = functools.partial(_labels_batch, vocab_size=_vocab(row, size), max_seq_len=max_seq)
+        return ModelSpec(f"{name}:{size}", functools.partial(build, name, size), batch, model_loss, row)
+    if style != "positional":
+        raise ValueError(f"style must be 'positional' or 'labels', got {style!r}")
     if row.task == "image":
         batch = functools.partial(_typed_image_batch, dtype=row.dtype if size == "tiny" else "float32", in_chans=3,
                                   image_size=_image(row, size), n_classes=_labels(row, size))
@@ -224,4 +249,5 @@ def spec(name: str, size: str = "tiny") -> ModelSpec:
     return ModelSpec(f"{name}:{size}", functools.partial(build, name, size), batch, logits_loss, row)
 
 
-__all__ = ["ROWS", "Row", "RowUnavailable", "build", "get", "logits_loss", "names", "spec", "unavailable"]
+__all__ = ["ROWS", "Row", "RowUnavailable", "build", "get", "logits_loss", "model_loss", "names", "spec",
+           "unavailable"]

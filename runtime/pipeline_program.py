@@ -190,9 +190,10 @@ class PipelineProgram(nn.Module):
             raise ValueError(f"n_microbatches must be >= 1, got {m}")
         C.set_active_mesh(self.mesh)
         inputs, targets = self.local_batch(tuple(batch))
-        if not isinstance(inputs, (tuple, list)):
-            inputs = (inputs,)
-        flat = self._flat_inputs(inputs, {})
+        if isinstance(inputs, Mapping):  # model(**inputs)
+            flat = self._flat_inputs((), inputs)
+        else:
+            flat = self._flat_inputs(inputs if isinstance(inputs, (tuple, list)) else (inputs,), {})
         ex = self._executor(m)
         unflatten = self._unflatten
         ex.loss_fn = lambda out, tgt: loss_fn(unflatten(out), tgt)

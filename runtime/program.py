@@ -13,7 +13,7 @@ the passes rewrite, this runs.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,8 @@ class Program(nn.Module):
     def step(self, batch: Sequence[Any], loss_fn: Callable, n_microbatches: int = 1) -> torch.Tensor:
         """Forward and backward of one global batch `(inputs, targets)`; returns its loss.
 
-        `inputs` is a tensor or a tuple of the model's positional inputs; `targets` goes to
+        `inputs` is a tensor, a tuple of the model's positional inputs or a dict of its keyword
+        inputs (as captured); `targets` (None when the model computes its own loss) goes to
         `loss_fn(output, targets)`. Gradients are left reduced (and sharded, under ZeRO) for
         the optimizer's `step()`.
         """
@@ -87,14 +88,15 @@ class Program(nn.Module):
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         inputs, targets = self.local_batch(tuple(batch))
-        if not isinstance(inputs, (tuple, list)):
+        keyword = isinstance(inputs, Mapping)  # model(**inputs)
+        if not keyword and not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
-        micro = _split_micro((tuple(inputs), targets), n_microbatches)
+        micro = _split_micro((dict(inputs) if keyword else tuple(inputs), targets), n_microbatches)
         total = None
         loss_work = None
         for i, (mb_in, mb_tgt) in enumerate(micro):
             last = i == len(micro) - 1
-            out = self(*mb_in)
+            out = self(**mb_in) if keyword else self(*mb_in)
             loss = loss_fn(out, mb_tgt)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")

@@ -7,7 +7,8 @@ each against one process with the same seed and batches: the loss of every step,
 gradient norm of the first step and every parameter and buffer after 3 AdamW steps, with the
 tolerances in autopar/zoo_check.py (fp32: loss 1e-5, gradient norm 1e-5 relative, parameters
 1e-4; the ResNet rows run in fp64: 1e-6, 1e-9, 1e-7). Each mesh must also print its plan and
-write its graph dump.
+write its graph dump. Llama and BERT also train from a keyword batch with `labels` on the
+model's own loss, as transformers users write it.
 
 timm rows run when timm imports; on the CPU machine it cannot be installed without replacing
 the CPU torch (no CPU torchvision), so they are reported with that reason.
@@ -67,3 +68,13 @@ def test_unknown_row_names_the_rows():
         zoo.spec("hf-llamma")
     with pytest.raises(ValueError, match="tiny"):
         zoo.spec("hf-llama", "huge")
+
+
+@pytest.mark.parametrize("name", ["hf-llama", "hf-bert"])
+def test_keyword_batch_with_labels_trains_on_the_models_own_loss(name):
+    """The transformers way: `model(**{"input_ids": ..., "labels": ...}).loss`; parallelize takes
+    the dict as example_inputs and model.step((batch, None), lambda out, _: out["loss"])."""
+    meshes = [({"dp": 2, "tp": 2}, {"hardware": "h100-sxm"}), ({"pp": 2, "dp": 2}, {})]
+    for r in zoo_check.parity(name, meshes=meshes, style="labels"):
+        assert not r.error, f"{r.line()}\n{r.error}"
+        assert r.ok and {k: v for k, v in r.mesh.items() if v > 1} == r.asked
