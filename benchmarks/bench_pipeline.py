@@ -1,6 +1,9 @@
-"""Step time of autopar's pipeline executor against torch.distributed.pipelining.
+"""Step time of autopar's pipeline against torch.distributed.pipelining.
 
-Both run the same hand split of a Llama-style GPT (embedding + blocks on the first stage,
+Three contestants: `autopar.parallelize(model, autopar.mesh(pp=N))` (capture, the split pass,
+stage graphs, the executor: what a user runs; split points and schedule pinned to the same
+ones), autopar's `PipelineExecutor` alone on hand-written stage modules, and torch. The last
+two run the same hand split of a Llama-style GPT (embedding + blocks on the first stage,
 blocks + norm + head on the last), the same micro-batches and the same schedule:
 `PipelineExecutor` with `gpipe` / `one_f_one_b` against `PipelineStage` + `ScheduleGPipe` /
 `Schedule1F1B`, on gloo with 2 or 4 local processes. One step is forward + backward of every
@@ -8,7 +11,7 @@ micro-batch (no optimizer). The two are measured alternately, step by step, in t
 world; a step's wall time is the slowest rank's, its CPU time the busiest rank's (on a
 machine shared with other jobs the CPU time shows the executor's own cost more steadily);
 the medians over the steps are reported, with the ratios ours / torch (target <= 1.0) and
-both losses (they must agree).
+the losses (they must agree).
 
     python benchmarks/bench_pipeline.py --ranks 2 --microbatches 8 --steps 20
 """
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import autopar
 from autopar.models.gpt import GPT, GPTConfig, loss_fn
 from autopar.runtime.launch import run_world
 from autopar.runtime.mesh import make_mesh
@@ -74,15 +78,21 @@ def _bench(rank, ws, args):
     mbs, tgts = split_microbatches(idx, M), split_microbatches(tgt, M)
     first, last = rank == 0, rank == ws - 1
     rows = []
-    for name, ours_sched, torch_cls in (("GPipe", gpipe(ws, M), ScheduleGPipe),
-                                        ("1F1B", one_f_one_b(ws, M), Schedule1F1B)):
+    cuts = [f"layers.{per * i}" for i in range(1, ws)]
+    for name, ours_sched, torch_cls, sched in (("GPipe", gpipe(ws, M), ScheduleGPipe, "gpipe"),
+                                               ("1F1B", one_f_one_b(ws, M), Schedule1F1B, "1f1b")):
         ours_mod, ref_mod = copy.deepcopy(stage_mod), copy.deepcopy(stage_mod)
+        pm = autopar.parallelize(copy.deepcopy(model), autopar.mesh(pp=ws), example_inputs=idx, n_microbatches=M,
+                                 pins={"split_points": cuts, "schedule": sched, "fusions": []})
         ours = PipelineExecutor(ours_mod, ours_sched, mesh, loss_fn)
         pstage = PipelineStage(ref_mod, rank, ws, torch.device("cpu"), group=group)
         ref = torch_cls(pstage, n_microbatches=M, loss_fn=loss_fn)
 
         def run_ours():
             return ours.step(mbs if first else None, tgts if last else None)
+
+        def run_par():
+            return pm.step((idx, tgt), loss_fn)
 
         def run_torch():
             losses: list = []
@@ -96,12 +106,13 @@ def _bench(rank, ws, args):
             dist.broadcast(out, src=mesh.axis_ranks("pp", rank)[-1], group=group)
             return out
 
-        wall = {"ours": [], "torch": []}
-        cpu = {"ours": [], "torch": []}
+        who_all = ("par", "ours", "torch")
+        wall = {w: [] for w in who_all}
+        cpu = {w: [] for w in who_all}
         loss = {}
+        runs = (("par", run_par), ("ours", run_ours), ("torch", run_torch))
         for k in range(args.warmup + args.steps):
-            for who, fn in (("ours", run_ours), ("torch", run_torch)) if k % 2 == 0 else \
-                           (("torch", run_torch), ("ours", run_ours)):
+            for who, fn in runs if k % 2 == 0 else runs[::-1]:
                 dist.barrier()
                 c0, t0 = time.process_time(), time.perf_counter()
                 loss[who] = fn().item()
@@ -112,9 +123,10 @@ def _bench(rank, ws, args):
                     cpu[who].append(dt[1].item())
             for m in (ours_mod, ref_mod):
                 m.zero_grad(set_to_none=True)
+            pm.engine.zero_grad(set_to_none=True)
         med = {f"{kind}_{who}": statistics.median(d[who]) for kind, d in (("wall", wall), ("cpu", cpu))
-               for who in ("ours", "torch")}
-        rows.append((name, med, loss["ours"], loss["torch"]))
+               for who in who_all}
+        rows.append((name, med, loss["par"], loss["ours"], loss["torch"]))
     return rows
 
 
@@ -137,13 +149,16 @@ def main(argv=None):
     print(f"pipeline step time, gloo, {args.ranks} ranks, {args.microbatches} micro-batches of "
           f"{args.mb_size}x{args.seq} tokens, GPT dim {args.dim} x {args.layers} layers; median of {args.steps} steps")
     print("wall: step time of the slowest rank; cpu: CPU seconds of the busiest rank (robust to a shared machine)")
-    print(f"{'schedule':<8} {'wall autopar':>12} {'wall torch':>10} {'ratio':>6} {'cpu autopar':>11} "
-          f"{'cpu torch':>9} {'ratio':>6}  loss autopar / torch")
-    for name, d, lo, lt in rows:
-        print(f"{name:<8} {d['wall_ours'] * 1e3:>9.1f} ms {d['wall_torch'] * 1e3:>7.1f} ms "
-              f"{d['wall_ours'] / d['wall_torch']:>6.3f} {d['cpu_ours'] * 1e3:>8.1f} ms "
-              f"{d['cpu_torch'] * 1e3:>6.1f} ms "
-              f"{d['cpu_ours'] / d['cpu_torch']:>6.3f}  {lo:.5f} / {lt:.5f}")
+    print("parallelize: autopar.parallelize(pp=N) end to end; executor: PipelineExecutor on hand-written stages")
+    print(f"{'schedule':<8} {'wall parallelize':>16} {'ratio':>6} {'wall executor':>13} {'ratio':>6} {'wall torch':>10} "
+          f"{'cpu parallelize':>15} {'ratio':>6} {'cpu executor':>12} {'ratio':>6} {'cpu torch':>9}  "
+          "loss parallelize / executor / torch")
+    for name, d, lp, lo, lt in rows:
+        print(f"{name:<8} {d['wall_par'] * 1e3:>13.1f} ms {d['wall_par'] / d['wall_torch']:>6.3f} "
+              f"{d['wall_ours'] * 1e3:>10.1f} ms {d['wall_ours'] / d['wall_torch']:>6.3f} {d['wall_torch'] * 1e3:>7.1f} ms "
+              f"{d['cpu_par'] * 1e3:>12.1f} ms {d['cpu_par'] / d['cpu_torch']:>6.3f} "
+              f"{d['cpu_ours'] * 1e3:>9.1f} ms {d['cpu_ours'] / d['cpu_torch']:>6.3f} {d['cpu_torch'] * 1e3:>6.1f} ms  "
+              f"{lp:.5f} / {lo:.5f} / {lt:.5f}")
 
 
 if __name__ == "__main__":
