@@ -1,8 +1,9 @@
 """The model zoo: models we did not write, as a user brings them, at two sizes.
 
 Each row is a transformers (or timm) architecture built from its own config class with
-random weights (no downloads): `tiny` (a few layers, narrow: parity on gloo in seconds) and
-`real` (the published size: built on the meta device and planned for a cluster). `spec(row,
+random weights (no downloads): `tiny` (a few layers, narrow: parity on gloo in seconds, in the
+row's `dtype`) and `real` (the published size in bf16: built on the meta device and planned
+for a cluster). `spec(row,
 size)` returns an `autopar.models.ModelSpec`: `build()` (on the current default device),
 `example_batch(b, seq_len=, generator=, device=)` and `loss_fn(out, targets)`; everything is
 picklable, and transformers is imported only when a row is built.
@@ -28,6 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ModelSpec, image_batch, token_batch
+
+
+REAL_DTYPE = "bfloat16"  # real sizes train in bf16 (the planner adds fp32 master weights and Adam states)
 
 
 class RowUnavailable(RuntimeError):
@@ -163,14 +167,13 @@ def build(name: str, size: str) -> nn.Module:
     if row.library == "timm":
         import timm  # noqa: PLC0415
 
-        return timm.create_model(row.arch, pretrained=False, **kw)
-    import transformers  # noqa: PLC0415
+        model = timm.create_model(row.arch, pretrained=False, **kw)
+    else:
+        import transformers  # noqa: PLC0415
 
-    model_cls = getattr(transformers, row.arch)
-    cfg_cls = model_cls.config_class
-    model = model_cls(cfg_cls(**kw))
-    dt = getattr(torch, row.dtype) if size == "tiny" else None
-    return model.to(dt) if dt is not None else model
+        model_cls = getattr(transformers, row.arch)
+        model = model_cls(model_cls.config_class(**kw))
+    return model.to(getattr(torch, row.dtype if size == "tiny" else REAL_DTYPE))
 
 
 def _vocab(row: Row, size: str) -> int:
@@ -240,7 +243,7 @@ def spec(name: str, size: str = "tiny", style: str = "positional") -> ModelSpec:
     if style != "positional":
         raise ValueError(f"style must be 'positional' or 'labels', got {style!r}")
     if row.task == "image":
-        batch = functools.partial(_typed_image_batch, dtype=row.dtype if size == "tiny" else "float32", in_chans=3,
+        batch = functools.partial(_typed_image_batch, dtype=row.dtype if size == "tiny" else REAL_DTYPE, in_chans=3,
                                   image_size=_image(row, size), n_classes=_labels(row, size))
     else:
         max_seq = 64 if size == "tiny" else int(row.real_seq or 512)
