@@ -1,0 +1,640 @@
+"""The per-graph tables of the joint planner's cost model (`search.plan_cost`).
+
+Everything `PlanCostModel.evaluate` needs from the captured graph, each ingredient costed once
+and cached on the model (`PlanTables`, which `plan_cost.PlanCostModel` extends), so that a
+search over thousands of candidates on a 70B graph costs seconds:
+
+  structure        the chain of pipeline units (`passes.split_pipeline.pipeline_units`: tok_emb,
+                   layers.0 ... norm, lm_head), every node's unit (a node outside every unit is
+                   costed with the first unit that reads it, as split_pipeline copies it there),
+                   the parameters each unit reads, the bytes crossing each unit boundary as
+                   c0 + c1 x rows, and the MoE blocks (`search.expert.detect_moe`).
+  per tp degree t  the sharding ILP (`search.shard_ilp.solve_sharding`, identical layers solved
+                   once) on the captured graph: every node's compute divisor and every
+                   storage's memory divisor (`Plan.node_layouts`, applied as `cost.estimate`
+                   applies them), the parameters' layouts, and the conversions the shard pass
+                   will insert (one per producer, placement and partial gradient).
+  per (t, b)       for every pipeline unit at b rows per micro-batch: forward and backward
+                   seconds (cost.estimate's roofline timer, TP divisors applied), the tensor-
+                   parallel conversions at b rows (blocking, half forward, half backward),
+                   saved-activation bytes (TP-divided; each storage charged to the unit that
+                   saves it first), FLOPs, the bytes crossing each unit boundary, and the
+                   liveness walk's working set beyond the saved tensors (gradients of
+                   activations, the logits ...; `cost.liveness`, exact at 1 row and at the
+                   most rows, the chord in between: an overestimate, the peak being convex).
+                   Identical blocks are costed once. `optimistic_units`: the same times with
+                   every node's work divided by t, without the ILP (for the bounds).
+  per (t, z, d, e) model states per unit (`cost.model_states` with the TP layouts: params,
+                   grads, fp32 master, optimizer, buffers; one parameter of each kind) under
+                   ZeRO stage z over d ranks; expert parameters (`search.expert.detect_moe`)
+                   divided over e expert-parallel ranks. A parameter read by several units is
+                   kept apart (`_States.shared`), to be counted on every stage that reads it.
+  per mesh         the axes' links (`cost.comm.axis_links`, times and bytes memoised per
+                   payload); per (schedule, pp, micro-batches) the step's schedule
+                   (`runtime.schedules.make_schedule`).
+
+node.meta: reads `val` of the placeholders (the captured rows of a batch, the tokens in a row)
+and otherwise reads node.meta only through `cost.analyze`, `passes.ir` and the sharding rules
+(`passes.split_pipeline`, `search.shard_ilp`, `search.expert`); writes nothing.
+Guarantees: deterministic (equal inputs give equal tables); a cached table is what computing
+it again would give (each depends only on its key and the constructor's arguments); the
+working set is never an underestimate.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.cost import analyze, evaluate, liveness, load_profile, model_states
+from autopar.cost.comm import axis_links
+from autopar.cost.estimate import _divisors, NodeTimer
+from autopar.cost.graph import GraphCost
+from autopar.cost.hardware import Hardware
+from autopar.cost.memory import OptimizerSpec, padded_numel, rows_of, tp_local_shape
+from autopar.passes.plan import Plan
+from autopar.passes.rules.sharding import is_tensor, partial_grad, requires_grad_nodes, value_shape
+from autopar.passes.split_pipeline import pipeline_units
+from autopar.runtime.placement import Layout, Partial, Placement, Replicate, Shard
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.zero_shard import FIRST_BUCKET_MB
+
+if TYPE_CHECKING:
+    from autopar.search.plan_cost import Candidate
+
+__all__ = ["CATEGORIES", "PlanTables", "ShardInfo"]
+
+_BLOCK = re.compile(r"(^|\.)\d+$")  # a unit named after a numbered module: layers.3
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+CATEGORIES = ("params", "grads", "master", "optimizer", "buffers")
+
+
+@dataclass
+class ShardInfo:
+    """The sharding ILP's answer for one tp degree, in the forms the cost model uses."""
+
+    tp: int
+    solution: Any  # ShardSolution, or None for tp = 1
+    param_placements: dict[str, Placement]
+    node_placements: dict[str, Placement]
+    strategies: dict[str, str]
+    comp_div: dict[int, int]
+    mem_div: dict[Any, int]
+    conversions: list[tuple[int, Placement | None, Placement, bool, float, float]]  # unit, src, dst, pg, c0, c1
+    sequence_parallel: bool = False
+    summary: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class _Units:
+    """Per-unit costs at one (tp, rows per micro-batch): arrays over the chain's units."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    tp_comm: np.ndarray
+    act: np.ndarray
+    cross: np.ndarray  # len L - 1
+    rc_save: np.ndarray
+    rc_time: np.ndarray
+    flops: np.ndarray
+    tp_bytes: np.ndarray  # bytes one rank sends on tp per unit and micro-batch
+    expert_f: np.ndarray  # the dense expert computation inside fwd / bwd (replaced under ep)
+    expert_b: np.ndarray
+    workspace: float | None = None
+
+
+@dataclass
+class _States:
+    cat: dict[str, np.ndarray]  # per unit, its own parameters (read by that unit only)
+    shared: list[tuple[dict[str, float], np.ndarray]]  # parameters read by several units: bytes, reader prefix
+    grad_payload: np.ndarray  # per unit: gradient sync payload (all-reduce input / reduce-scatter input)
+    gather: np.ndarray  # per unit: parameter all-gather payload (this rank's padded piece)
+    adam_tmp: np.ndarray  # per unit: the optimizer step's temporary
+    total: dict[str, float]  # every parameter once
+
+
+class PlanTables:
+    """The per-graph tables of `plan_cost.PlanCostModel` (see the module docstring), each
+    computed on first use and cached. The constructor is the model's: its arguments are
+    documented on `PlanCostModel`."""
+
+    def __init__(self, gm: fx.GraphModule, hardware: Any, world: int, *, global_batch: int | None = None,
+                 optimizer: Any = "adamw", master_dtype: Any = "auto", param_pins: Mapping[str, Placement] | None = None,
+                 node_pins: Mapping[str, Placement] | None = None, gc: GraphCost | None = None,
+                 bucket_mb: float = 25.0):
+        hw = load_profile(hardware)
+        self.base_hw = hw
+        if world > hw.world_size:
+            hw = hw.with_nodes(-(-world // hw.gpus_per_node))
+        self.hw: Hardware = hw
+        self.world = world
+        self.gm = gm
+        self.gc = gc if gc is not None else analyze(gm, self.base_hw)
+        self.opt = OptimizerSpec.of(optimizer)
+        half = {p.dtype for p in self.gc.params if p.requires_grad} & {torch.float16, torch.bfloat16}
+        self.master_dtype = (torch.float32 if half else None) if master_dtype == "auto" else master_dtype
+        self.param_pins = dict(param_pins or {})
+        self.bucket_bytes = (min(FIRST_BUCKET_MB, bucket_mb) * 2**20, bucket_mb * 2**20)
+        self.node_pins = dict(node_pins or {})
+        self.symbolic_batch = any(str(k) == "b" for k in self.gc.values())
+        self.captured_rows = self._captured_rows()
+        self.global_batch = int(global_batch or self.captured_rows or 1)
+        self.max_rows = self.global_batch  # rows of a micro-batch at most (dp = micro-batches = 1)
+        self._chain()
+        self._experts()
+        dtypes = [n.cost.dtype for n in self.gc.nodes if n.cost.kind in ("matmul", "attention")]
+        self.main_dtype = max(set(dtypes), key=dtypes.count) if dtypes else "fp32"
+        self._shard: dict[int, ShardInfo] = {}
+        self._units: dict[tuple, _Units] = {}
+        self._states: dict[tuple, _States] = {}
+        self._links: dict[tuple, dict] = {}
+        self._scheds: dict[tuple, Any] = {}
+        self._split_cache: dict[tuple, Any] = {}
+        self.ilp_seconds = 0.0
+
+    # ------------------------------------------------------------------ graph structure
+    def _captured_rows(self) -> int | None:
+        for k, v in self.gc.values().items():
+            if str(k) == "b":
+                return int(v)
+        for n in self.gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() and isinstance(v.shape[0], int):
+                return int(v.shape[0])
+        return None
+
+    def tokens_per_row(self) -> tuple[float, str]:
+        """Tokens in one row of the batch ("tokens") for a token model, else (1, "samples")."""
+        for n in self.gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.op == "placeholder" and isinstance(v, torch.Tensor):
+                if not v.dtype.is_floating_point and v.dim() >= 2:
+                    return float(math.prod(int(d) for d in v.shape[1:])), "tokens"
+                return 1.0, "samples"
+        return 1.0, "samples"
+
+    def _chain(self) -> None:
+        gm, gc = self.gm, self.gc
+        units = pipeline_units(gm)
+        self.unit_names = [u.name for u in units]
+        L = self.L = len(units)
+        unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
+        by_name = {n.name: n for n in gm.graph.nodes}
+        # a node outside every unit (input-free: a weight cast, a rotary table) is costed with
+        # the first unit that reads it, as split_pipeline copies it there
+        memo: dict[str, int] = {}
+
+        def unit_for(name: str, depth: int = 0) -> int | None:
+            if name in unit_of:
+                return unit_of[name]
+            if name in memo:
+                return memo[name]
+            n = by_name.get(name)
+            if n is None or depth > 50:
+                return None
+            got = [unit_for(u.name, depth + 1) for u in n.users if u.op != "output"]
+            got = [g for g in got if g is not None]
+            memo[name] = min(got) if got else (L - 1 if any(u.op == "output" for u in n.users) else None)
+            return memo[name]
+
+        cur = 0
+        self.node_unit: list[int] = []
+        for nc in gc.nodes:
+            u = unit_for(nc.name) if nc.name in by_name else None
+            if u is None:
+                u = cur  # a node inlined from a higher-order op: its caller's unit
+            cur = u if nc.name in unit_of else cur
+            self.node_unit.append(u)
+        self.fx_unit = {n: (unit_for(n.name) if n.op != "output" else L - 1) for n in gm.graph.nodes}
+        self.blocks = np.array([1.0 if _BLOCK.search(name) else 0.0 for name in self.unit_names])
+        # parameters each unit reads, directly or through input-free computation
+        key_name = {p.key: p.name for p in gc.params if p.key is not None}
+        reads: list[set[str]] = [set() for _ in units]
+        for nc, u in zip(gc.nodes, self.node_unit):
+            for k in nc.uses:
+                if k in key_name:
+                    reads[u].add(key_name[k])
+        readers: dict[str, list[int]] = {}
+        for i, r in enumerate(reads):
+            for p in r:
+                readers.setdefault(p, []).append(i)
+        for p in gc.params:
+            readers.setdefault(p.name, [0])  # held even if no unit reads it
+        self.readers = readers
+        # boundary bytes as c0 + c1 * rows (the activations crossing are linear in the batch)
+        from autopar.search.stages import _cross_bytes  # noqa: PLC0415
+
+        if self.symbolic_batch:
+            one = np.array(_cross_bytes(gm, gc, units, {"b": 1}, 1.0))
+            two = np.array(_cross_bytes(gm, gc, units, {"b": 2}, 1.0))
+            self.cross_c1 = two - one
+            self.cross_c0 = one - self.cross_c1
+        else:
+            rows = self.captured_rows or 1
+            self.cross_c0 = np.zeros(max(L - 1, 0))
+            self.cross_c1 = np.array(_cross_bytes(gm, gc, units, {}, 1.0)) / rows
+        self.rg = requires_grad_nodes(gm)
+
+    def _experts(self) -> None:
+        """MoE blocks (`search.expert.detect_moe` when that module is there): expert parameters,
+        the units holding blocks, and what an expert-parallel degree costs (`ep_cost`)."""
+        self.moe_blocks: list = []
+        try:
+            from autopar.search.expert import detect_moe  # noqa: PLC0415
+
+            self.moe_blocks = detect_moe(self.gm)
+        except Exception:  # noqa: BLE001 - no detector, or a block it cannot take apart: no expert parallelism
+            self.moe_blocks = []
+        self.expert_params = {n for b in self.moe_blocks for n in b.expert_params}
+        self.n_experts = math.gcd(*[b.n_experts for b in self.moe_blocks]) if self.moe_blocks else 0
+        self.moe_units = np.zeros(self.L)
+        for n in self.expert_params:
+            for u in self.readers.get(n, []):
+                self.moe_units[u] = 1.0
+        # the expert computation of the captured graph (which the expert pass replaces by the
+        # routed rows only): nodes under an `experts` module
+        self.expert_node = [".experts." in f".{nc.module}." for nc in self.gc.nodes]
+
+    @property
+    def has_moe(self) -> bool:
+        return self.n_experts > 1
+
+    def links(self, c: Candidate) -> dict:
+        mesh = c.mesh()
+        key = tuple(mesh.items())
+        hit = self._links.get(key)
+        if hit is None:
+            hit = self._links[key] = {a: _MemoLink(al) for a, al in axis_links(self.hw, mesh).items()}
+        return hit
+
+    # ------------------------------------------------------------------ sharding per tp degree
+    def sharding(self, t: int) -> ShardInfo:
+        """The sharding ILP's plan for tp = t (solved once per t; t = 1: everything replicated)."""
+        hit = self._shard.get(t)
+        if hit is not None:
+            return hit
+        if t == 1:
+            info = ShardInfo(1, None, {}, {}, {}, {}, {}, [], summary="no tensor parallelism")
+        else:
+            from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
+
+            sol = solve_sharding(self.gm, "tp", t, mesh={"dp": max(self.world // t, 1), "tp": t},
+                                 hardware=self.hw, param_pins=self.param_pins or None,
+                                 node_pins=self.node_pins or None, gc=self.gc)
+            self.ilp_seconds += sol.seconds
+            nodes = {n: sol.keys[n] for n in sol.chosen}
+            params = {str(n.target): s.out for n, s in sol.chosen.items()
+                      if n.op == "get_attr" and s.out is not None and not isinstance(s.out, Replicate)}
+            node_pl = {nodes[n]: s.out for n, s in sol.chosen.items()
+                       if n.op == "call_function" and s.out is not None and not isinstance(s.out, Replicate)}
+            plan = Plan(mesh={"tp": t}, dp_axis=None,
+                        node_layouts={k: Layout.of({"tp": p}) for k, p in node_pl.items()})
+            comp_div, mem_div = _divisors(self.gc, plan)
+            convs, sp = self._conversions(sol, t)
+            info = ShardInfo(t, sol, params, node_pl, sol.strategies(), comp_div, mem_div, convs, sp,
+                             sol.summary(), sol.seconds)
+        self._shard[t] = info
+        return info
+
+    def _conversions(self, sol, t: int):
+        """The conversions the shard pass inserts for a solution, each once per (producer,
+        target placement, partial gradient), charged to the first consumer's unit, with its
+        payload as c0 + c1 * rows."""
+        b_names = [str(orig) for orig, new in self.gc.symbols.rename.items() if str(new) == "b"]
+        other = {str(orig): int(v) for orig, new in self.gc.symbols.rename.items()
+                 for k, v in self.gc.values().items() if k == new and str(new) != "b"}
+        from autopar.search.shard_ilp import _nbytes  # noqa: PLC0415
+
+        def nbytes(a, rows):
+            return _nbytes(a, {**other, **{s: rows for s in b_names}})
+
+        seen: set = set()
+        out = []
+        ag_rs = 0
+        ar = 0
+        for v, s in sol.chosen.items():
+            ins = [a for a in v.all_input_nodes if is_tensor(a)]
+            for a, p in zip(ins, s.ins):
+                if p is None or a not in sol.chosen:
+                    continue
+                pg = partial_grad(s, p, a, self.rg)
+                key = (a, str(p), pg)
+                if key in seen:
+                    continue
+                seen.add(key)
+                src = sol.chosen[a].out
+                if src == p and not (pg and isinstance(p, Replicate)):
+                    continue
+                if b_names:
+                    one, two = nbytes(a, 1), nbytes(a, 2)
+                    c1 = two - one
+                    c0 = one - c1
+                else:  # a static batch: a tensor whose dim 0 is the batch scales with it
+                    shape = value_shape(a) or ()
+                    rows0 = self.captured_rows or 1
+                    full = nbytes(a, 0)
+                    c0, c1 = (0.0, full / rows0) if shape and shape[0] == rows0 else (full, 0.0)
+                unit = self.fx_unit.get(v)
+                out.append((unit if unit is not None else 0, src, p, pg, float(c0), float(c1)))
+                if isinstance(p, Shard) and isinstance(src, Replicate) or isinstance(src, Partial) and isinstance(p, Shard):
+                    ag_rs += 1
+                if isinstance(src, Partial) and isinstance(p, Replicate):
+                    ar += 1
+        return out, ag_rs > 0 and ag_rs >= ar
+
+    # ------------------------------------------------------------------ per-unit tables
+    def rows_per_micro(self, c: Candidate) -> int | None:
+        per = c.dp * c.ep * c.micro
+        if self.global_batch % per:
+            return None
+        return self.global_batch // per
+
+    def units(self, t: int, rows: int) -> _Units:
+        key = (t, rows)
+        hit = self._units.get(key)
+        if hit is not None:
+            return hit
+        gc, L = self.gc, self.L
+        info = self.sharding(t)
+        values = self._values(rows)
+        scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
+        timer = NodeTimer(self.hw, values)
+        fwd, bwd, act, flops = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
+        ef, eb = np.zeros(L), np.zeros(L)
+        memo: dict = {}
+
+        def ev(x):  # identical layers repeat the same expressions: evaluate each once
+            if not isinstance(x, sympy.Basic):
+                return x
+            r = memo.get(x)
+            if r is None:
+                r = memo[x] = evaluate(x, values)
+            return r
+
+        items, rep = self._unit_items(t)
+        for u in range(L):
+            r = rep[u]
+            if r != u:  # an identical unit was costed already
+                fwd[u], bwd[u], act[u], flops[u], ef[u], eb[u] = fwd[r], bwd[r], act[r], flops[r], ef[r], eb[r]
+                continue
+            for nc, d, is_exp, saved in items[u]:
+                f, b = timer.node(nc, d)
+                fwd[u] += f
+                bwd[u] += b
+                if is_exp:
+                    ef[u] += f
+                    eb[u] += b
+                if nc.cost.kind not in ("none", "view", "comm"):
+                    flops[u] += (ev(nc.cost.flops) + ev(nc.bwd_flops)) / d
+                for nb, md in saved:
+                    act[u] += ev(nb) / md
+        fwd, bwd, act, flops, ef, eb = (x * scale for x in (fwd, bwd, act, flops, ef, eb))
+        tpc = np.zeros(L)
+        tp_bytes = np.zeros(L)
+        if t > 1:
+            from autopar.search.shard_ilp import conversion_time  # noqa: PLC0415
+
+            link = axis_links(self.hw, {"dp": max(self.world // t, 1), "tp": t})["tp"]
+            memo: dict = {}
+            for unit, src, dst, pg, c0, c1 in info.conversions:
+                nb = c0 + c1 * rows
+                k2 = (src, dst, pg, nb)
+                tm = memo.get(k2)
+                if tm is None:
+                    tm = memo[k2] = conversion_time(src, dst, pg, nb, link, t, self.hw.kernel_overhead_s)
+                tpc[unit] += tm
+                tp_bytes[unit] += _conversion_bytes(src, dst, pg, nb, t)
+        cross = self.cross_c0 + self.cross_c1 * rows
+        cross_in = np.concatenate([[0.0], cross])
+        rc_save = np.where(self.blocks > 0, np.maximum(act - cross_in, 0.0), 0.0)
+        rc_time = np.where(self.blocks > 0, fwd + tpc / 2, 0.0)
+        out = _Units(fwd + tpc / 2, bwd + tpc / 2, tpc, act, cross, rc_save, rc_time, flops, tp_bytes, ef, eb)
+        self._units[key] = out
+        return out
+
+    def _values(self, rows: int) -> dict[str, int]:
+        """Symbol values with the batch at `rows`, keyed by name (cost.evaluate compares
+        symbols by name, and a str key is much cheaper to name than a sympy Symbol)."""
+        vals = self.gc.values({"b": rows}) if self.symbolic_batch else self.gc.values()
+        return {str(k): v for k, v in vals.items()}
+
+    def _unit_items(self, t: int):
+        """Per unit its nodes with their compute divisor, expert flag and the saved storages it
+        is charged for (each storage to the first node that saves it); and per unit the first
+        unit with the same items (identical blocks are costed once)."""
+        key = ("items", t)
+        hit = self._split_cache.get(key)
+        if hit is None:
+            info, gc = self.sharding(t), self.gc
+            items: list[list] = [[] for _ in range(self.L)]
+            seen: set = set()
+            for nc, u, is_exp in zip(gc.nodes, self.node_unit, self.expert_node):
+                saved = []
+                for k, nb, _tag in nc.saved:
+                    if k in seen or gc._is_state(k):
+                        continue
+                    seen.add(k)
+                    saved.append((nb, info.mem_div.get(k, 1)))
+                items[u].append((nc, info.comp_div.get(nc.index, 1), is_exp, tuple(saved)))
+            first: dict = {}
+            rep = []
+            for u, its in enumerate(items):
+                sig = tuple((id(nc.cost), nc.bwd_flops, nc.has_grad_fn, tuple(nb for _k, nb, _t in nc.saved), d, e, sv)
+                            for nc, d, e, sv in its)
+                rep.append(first.setdefault(sig, u))
+            hit = self._split_cache[key] = (items, rep)
+        return hit
+
+    def optimistic_units(self, t: int, rows: int) -> tuple[np.ndarray, ...]:
+        """Per unit (forward, backward, their expert parts) seconds per micro-batch with every
+        node's work divided by t: no sharding does better, and it needs no ILP."""
+        key = ("optimistic", t, rows)
+        hit = self._split_cache.get(key)
+        if hit is not None:
+            return hit
+        values = self._values(rows)
+        scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
+        timer = NodeTimer(self.hw, values)
+        L = self.L
+        f_, b_, ef, eb = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
+        for nc, u, is_exp in zip(self.gc.nodes, self.node_unit, self.expert_node):
+            f, b = timer.node(nc, t)
+            f_[u] += f
+            b_[u] += b
+            if is_exp:
+                ef[u] += f
+                eb[u] += b
+        hit = self._split_cache[key] = tuple(x * scale for x in (f_, b_, ef, eb))
+        return hit
+
+    def workspace(self, t: int, rows: int) -> float:
+        """Liveness peak beyond the saved tensors (activation gradients, temporaries, logits).
+        The walk is exact at 1 row and at the most rows any plan of this world gives a micro-
+        batch; in between the chord (the peak is a maximum of sums linear in the rows, so
+        convex in them, and the chord lies above it: never an underestimate)."""
+        u = self.units(t, rows)
+        if u.workspace is None:
+            hi = self.max_rows
+            if not self.symbolic_batch or rows in (1, hi) or hi <= 1:
+                u.workspace = self._liveness_extra(t, rows)
+            else:
+                w1, wh = self._liveness_extra(t, 1), self._liveness_extra(t, hi)
+                u.workspace = w1 + (wh - w1) * (rows - 1) / (hi - 1)
+        return u.workspace
+
+    def _liveness_extra(self, t: int, rows: int) -> float:
+        key = ("live", t, rows)
+        hit = self._split_cache.get(key)
+        if hit is None:
+            info = self.sharding(t)
+            values = self._values(rows)
+            scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
+            live = liveness(self.gc, values, param_grad_bytes={p.key: 0.0 for p in self.gc.params if p.key is not None},
+                            storage_divisor=info.mem_div)
+            hit = self._split_cache[key] = max(0.0, live.peak - live.saved) * scale
+        return hit
+
+    def _param_kinds(self, t: int):
+        """Parameters grouped by what their states depend on (shape, dtype, trainable, buffer,
+        tp placement): the 80 blocks of a 70B model have a dozen kinds. Returns
+        (representatives, kind index per parameter, TP layouts)."""
+        key = ("kinds", t)
+        hit = self._split_cache.get(key)
+        if hit is None:
+            info = self.sharding(t)
+            layouts = {n: Layout.of({"tp": p}) for n, p in info.param_placements.items()}
+            reps, index, kinds = [], {}, []
+            for p in self.gc.params:
+                k = (tuple(p.shape), p.numel, p.dtype, p.requires_grad, p.is_buffer, str(layouts.get(p.name)))
+                if k not in index:
+                    index[k] = len(reps)
+                    reps.append(p)
+                kinds.append(index[k])
+            hit = self._split_cache[key] = (reps, kinds, layouts)
+        return hit
+
+    def states(self, t: int, zero: int, dp: int, ep: int = 1) -> _States:
+        """Model states per unit (see the module docstring), `cost.model_states` for one
+        parameter of every kind."""
+        key = (t, zero, dp, ep)
+        hit = self._states.get(key)
+        if hit is not None:
+            return hit
+        reps, kinds, layouts = self._param_kinds(t)
+        mesh = {"dp": dp, "tp": t}
+        z = zero if dp > 1 else 0
+        dense = model_states(reps, self.opt, zero_stage=z, dp=dp, rank=0, master_dtype=self.master_dtype,
+                             param_layouts=layouts, mesh=mesh, dp_axis="dp").per_param
+        opt_states = max(self.opt.states, 1)
+        per_kind = []
+        for p in reps:
+            row = {c: float(dense.get(p.name, {}).get(c, 0)) for c in CATEGORIES}
+            if p.is_buffer:
+                row = {c: 0.0 for c in CATEGORIES}
+                row["buffers"] = float(p.numel * p.dtype.itemsize)
+            shape = tp_local_shape(p, layouts, mesh, "dp")
+            if p.requires_grad and not p.is_buffer:
+                gp = float(math.prod(rows_of(shape)) * p.dtype.itemsize if z < 2
+                           else dp * padded_numel(shape, dp) * p.dtype.itemsize)
+                ga = float(padded_numel(shape, dp) * p.dtype.itemsize)
+            else:
+                gp = ga = 0.0
+            tmp = row["optimizer"] / opt_states if self.opt.states else 0.0
+            per_kind.append((row, gp, ga, tmp))
+        L = self.L
+        cat = {c: np.zeros(L) for c in CATEGORIES}
+        grad_payload, gather, adam = np.zeros(L), np.zeros(L), np.zeros(L)
+        shared: list[tuple[dict[str, float], np.ndarray]] = []
+        total = {c: 0.0 for c in CATEGORIES}
+        for p, kind in zip(self.gc.params, kinds):
+            row, gp, ga, tmp = per_kind[kind]
+            if ep > 1 and p.name in self.expert_params:
+                row = {c: v / ep for c, v in row.items()}
+                gp, ga, tmp = gp / ep, ga / ep, tmp / ep
+            for c in CATEGORIES:
+                total[c] += row[c]
+            us = self.readers[p.name]
+            if len(us) == 1:
+                u = us[0]
+                for c in CATEGORIES:
+                    cat[c][u] += row[c]
+                grad_payload[u] += gp
+                gather[u] += ga
+                adam[u] += tmp
+            else:
+                cnt = np.zeros(L + 1)
+                mark = np.zeros(L)
+                mark[us] = 1.0
+                cnt[1:] = np.cumsum(mark)
+                shared.append(({**row, "_grad": gp, "_gather": ga, "_adam": tmp}, cnt))
+                # the gradient is synchronised by the last reader's stage; count it there
+                grad_payload[us[-1]] += gp
+                gather[us[0]] += ga
+        out = _States(cat, shared, grad_payload, gather, adam, total)
+        self._states[key] = out
+        return out
+
+    # ------------------------------------------------------------------ schedules
+    def schedule(self, c: Candidate):
+        key = (c.schedule, c.pp, c.micro)
+        hit = self._scheds.get(key)
+        if hit is None:
+            v = c.virtual
+            hit = self._scheds[key] = make_schedule(c.schedule, c.pp, c.micro, v if v > 1 else None)
+        return hit
+
+
+class _MemoLink:
+    """An `AxisLink` whose times and bytes are memoised (the search asks for the same few
+    payloads many times)."""
+
+    def __init__(self, al):
+        self.al = al
+        self.axis, self.size = al.axis, al.size
+        self._t: dict = {}
+        self._b: dict = {}
+
+    def time(self, op: str, nbytes: float) -> float:
+        key = (op, nbytes)
+        t = self._t.get(key)
+        if t is None:
+            t = self._t[key] = self.al.time(op, nbytes)
+        return t
+
+    def bytes_sent(self, op: str, nbytes: float) -> float:
+        key = (op, nbytes)
+        b = self._b.get(key)
+        if b is None:
+            b = self._b[key] = self.al.bytes_sent(op, nbytes)
+        return b
+
+
+def _conversion_bytes(src, dst, pg: bool, nbytes: float, k: int) -> float:
+    """Bytes one rank sends for a conversion (forward and backward), ring collectives."""
+    ar = 2 * (k - 1) / k * nbytes
+    ag = (k - 1) / k * nbytes
+    rs = (k - 1) / k * nbytes
+    if src == dst:
+        return ar if pg and isinstance(dst, Replicate) else 0.0
+    if isinstance(dst, Replicate):
+        if isinstance(src, Shard):
+            return ag + (rs if pg else 0.0)
+        if isinstance(src, Partial):
+            return ar + (ar if pg else 0.0)
+    if isinstance(dst, Shard):
+        if isinstance(src, Replicate):
+            return ag
+        if isinstance(src, Shard):
+            return 2 * (k - 1) / k * nbytes / k
+        if isinstance(src, Partial):
+            return rs + ag
+    if isinstance(dst, Partial) and isinstance(src, Shard):
+        return ag
+    return 0.0
