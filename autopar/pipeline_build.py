@@ -198,7 +198,7 @@ def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pl
     program.info = info
     if info.tied:
         plan.notes.append("tied weights across stages (one value, gradients summed): "
-                          + ", ".join(f"{a[1]}@stage{a[0]} = {b[1]}@stage{b[0]}" for a, b in info.tied))
+                          + ", ".join(" = ".join(f"{n}@stage{st}" for st, n in g) for g in info.tied))
     return program, stage_graphs, list(pm.records)
 
 

@@ -5,9 +5,9 @@ Both sides start from the same seed and weights and train on the same batches wi
 (lr 1e-2): the plan on `plan.world_size` gloo processes (forked, `runtime.launch.run_world`)
 through `autopar.parallelize(..., plan=plan)`, the reference as the plain module on one
 process. Compared: the loss of every step (absolute tolerance LOSS_ATOL plus LOSS_RTOL of the
-reference) and every parameter after the last step (PARAM_TOL, absolute), with the
-tensor-parallel shards of every parameter concatenated along their sharded dim and the pipeline
-stages' parameters taken from the ranks that hold them.
+reference) and every parameter after the last step (PARAM_TOL, absolute), as
+`autopar.export_state_dict` returns them: whole (tensor- and expert-parallel shards joined,
+pipeline stages gathered) under every name of the original model (tied names too).
 
 Tolerances, as the parity tests: sharded sums change the order of additions, and AdamW
 amplifies last-bit differences of near-zero gradients.
@@ -88,8 +88,9 @@ def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: 
         losses.append(pm.step((x, y), src.loss_fn).item())
         opt.step()
         opt.zero_grad()
-    layouts = {k: {a: str(p) for a, p in lay.axes} for k, lay in pm.plan.param_layouts.items()}
-    return losses, pm.engine.gather_full_state_dict(), layouts, pm.mesh.coords(rank)
+    # every name of the original model, whole (tp / ep shards joined, pp stages gathered, tied names
+    # repeated) on rank 0
+    return losses, autopar.export_state_dict(pm, like=model)
 
 
 def _reference(model_text: str, batch: int, seq: int | None, steps: int):
@@ -138,23 +139,17 @@ def verify(model_text: str, plan: Plan, *, batch: int | None = None, seq: int | 
     t0 = time.perf_counter()
     results = run_world(ws, _rank, model_text, plan.to_json(), batch, seq, steps)
     ref_losses, ref_params = _reference(model_text, batch, seq, steps)
-    layouts = results[0][2]
+    full = results[0][1]
     worst, missing = ("", 0.0), []
     for name, ref in ref_params.items():
-        pieces = sorted((c.get("tp", 0), sd[name]) for _l, sd, _lay, c in results
-                        if name in sd and c.get("dp", 0) == 0)
-        if not pieces:
+        got = full.get(name)
+        if got is None:
             missing.append(name)
             continue
-        place = layouts.get(name, {}).get("tp", "R")
-        if place.startswith("S("):
-            got = torch.cat([p for _, p in pieces], int(place[2:-1]))
-        else:
-            got = pieces[0][1]
         if got.shape != ref.shape:
             missing.append(f"{name} (shape {tuple(got.shape)} vs {tuple(ref.shape)})")
             continue
-        d = float((got.float() - ref.float()).abs().max())
+        d = float((got.double() - ref.double()).abs().max()) if ref.numel() else 0.0
         if d > worst[1] or not worst[0]:
             worst = (name, d)
     return VerifyResult(src.name, dict(plan.mesh), batch, seq, steps, results[0][0], ref_losses, worst, missing,

@@ -118,9 +118,9 @@ ROWS: dict[str, Row] = {r.name: r for r in [
         dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
              decoder_start_token_id=0),
         dict(vocab_size=32128, d_model=1024, d_kv=64, d_ff=4096, num_layers=24, num_heads=16, decoder_start_token_id=0),
-        "t5-large (770M)", 512, 512, _DECODER_MESHES,
+        "t5-large (770M)", 512, 512, _DECODER_MESHES + (({"pp": 4}, {}),),
         notes="inputs (input_ids, None, decoder_input_ids): the None attention mask is passed through, also to "
-              "pipeline stage 0"),
+              "pipeline stage 0; the shared embedding is read on three stages at pp=4 (one tied group)"),
     Row("hf-vit", "transformers", "ViTForImageClassification", "image",
         dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),

@@ -20,15 +20,16 @@ Each stage becomes one `fx.GraphModule` (`Stage0`, `Stage1` ...), readable with 
     its own tensors when it has the size's inputs, else re-reads it from the shape of one of
     its inputs (`aten.sym_size`), or recomputes it from such sizes.
   * `operator.getitem` stays with the node whose tuple it reads.
-  * parameters keep their names (`layers.3.attn.wq.weight`). A parameter read on two stages
-    (an embedding tied to the LM head) is held by both: the first keeps the original tensor,
-    the second a copy, and the pair is reported in `tied` for the executor, which starts them
-    equal and sums their gradients. A parameter read on three or more stages is refused.
+  * parameters keep their names (`layers.3.attn.wq.weight`). A parameter read on several
+    stages (an embedding tied to the LM head; T5's shared embedding, read by the encoder, the
+    decoder and the head) is held by each: the first keeps the original tensor, the others a
+    copy, and the group is reported in `tied` for the executor, which starts them equal and
+    gives every copy the sum of their gradients.
 
 The pass `split_pipeline(gm, ctx)` returns a `PipelineGraph` GraphModule whose children
 `stage0` ... `stage{S-1}` are the stage modules and whose forward calls them in order (so it
 runs, and trains, like the original on one process). Its `meta["autopar_pipeline"]` is a
-`PipelineInfo` (split points, units per stage, stage inputs/outputs, tied pairs). Without
+`PipelineInfo` (split points, units per stage, stage inputs/outputs, tied groups). Without
 split points in the plan the graph is returned unchanged.
 
 Reads: node.meta["autopar"] (module path), node.meta["val"] (tensor vs. size, shapes).
@@ -55,7 +56,7 @@ from .pass_manager import PassContext
 __all__ = ["Unit", "PipelineInfo", "StageSplit", "pipeline_units", "unit_namer", "split_stages", "split_pipeline",
            "compose", "brief_names"]
 
-TiedPair = tuple[tuple[int, str], tuple[int, str]]
+TiedPair = tuple[tuple[int, str], ...]  # ((stage, param name), ...): one weight on 2+ stages
 _NUM = re.compile(r"^\d+$")
 
 
@@ -348,25 +349,23 @@ def split_stages(gm: fx.GraphModule, split_points: Sequence[str]) -> StageSplit:
                 uses.setdefault(id(obj), []).append((s, t, obj))
         stages.append(sm)
 
-    # a parameter read on two stages: the later one holds a copy, tied to the first
+    # a parameter read on several stages: each later stage holds a copy, tied to the first
     tied: list[TiedPair] = []
     for entries in uses.values():
         st = sorted({e[0] for e in entries})
         if len(st) <= 1:
             continue
-        names = sorted({e[1] for e in entries})
-        if len(st) > 2:
-            raise ValueError(f"parameter {names[0]!r} is read on stages {st}; a pipeline ties a weight across two "
-                             "stages only (its gradients are summed between them). Choose split points that "
-                             f"keep its readers on at most two stages")
         first = min(e for e in entries if e[0] == st[0])
-        second_targets = sorted({e[1] for e in entries if e[0] == st[1]})
         p = first[2]
-        clone = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-        for t in second_targets:
-            owner, attr = _owner(stages[st[1]], t)
-            setattr(owner, attr, clone)
-        tied.append(((st[0], first[1]), (st[1], second_targets[0])))
+        group = [(st[0], first[1])]
+        for s in st[1:]:
+            targets = sorted({e[1] for e in entries if e[0] == s})
+            clone = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+            for t in targets:
+                owner, attr = _owner(stages[s], t)
+                setattr(owner, attr, clone)
+            group.append((s, targets[0]))
+        tied.append(tuple(group))
     tied.sort()
 
     stage_units = [[u for u in order if unit_stage[u] == s] for s in range(S)]

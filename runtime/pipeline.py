@@ -75,7 +75,7 @@ from .schedules import Action, Kind, Schedule, simulate
 
 __all__ = ["PipelineExecutor", "split_microbatches", "backward_input", "backward_weight", "WeightGradState"]
 
-TiedPair = tuple[tuple[int, str], tuple[int, str]]
+TiedPair = tuple[tuple[int, str], ...]  # ((stage, param name), ...): one weight on 2+ stages
 
 # dtype codes for the shape metadata (append only: both ends must agree)
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -239,8 +239,9 @@ class PipelineExecutor:
         axis: the pipeline axis name.
         engines: {stage: engine} data-parallel engines (`runtime.zero.make_engine`) for the
             stages on this rank, or None.
-        tied: pairs ((stage_a, param_name_a), (stage_b, param_name_b)) of parameters that are
-            one weight in the model (e.g. ((0, "tok_emb.weight"), (3, "lm_head.weight")));
+        tied: groups ((stage_a, param_name_a), (stage_b, param_name_b), ...) of parameters that
+            are one weight in the model (e.g. ((0, "tok_emb.weight"), (3, "lm_head.weight")); T5's
+            shared embedding is read on three stages); every copy gets the sum of their gradients;
             construct the executor on every rank at the same point: it creates process groups.
     """
 
@@ -315,41 +316,44 @@ class PipelineExecutor:
         return plan
 
     def _setup_tied(self, tied: list) -> list:
+        """Each entry: ((stage, name), (stage, name), ...) of one weight held on two or more stages.
+        Returns (this rank's copies, the group of the ranks holding any, those ranks' count)."""
         out = []
         S = self.schedule.n_stages
         world = dist.get_world_size()
         pp_groups = sorted({tuple(self.mesh.axis_ranks(self.axis, r)) for r in range(world)})
-        for pair in tied:
+        for entry in tied:
             try:
-                (sa, na), (sb, nb) = pair
+                members = [(int(s), str(n)) for s, n in entry]
             except (TypeError, ValueError):
-                raise ValueError(f"tied entry {pair!r} must be "
-                                 "((stage_a, param_name_a), (stage_b, param_name_b))") from None
-            if not (0 <= sa < S and 0 <= sb < S) or sa == sb:
-                raise ValueError(f"tied pair {pair!r} must name two different stages in 0..{S - 1}")
-            ra, rb = self._rank_of(sa), self._rank_of(sb)
+                raise ValueError(f"tied entry {entry!r} must be ((stage, param_name), (stage, param_name), ...)") \
+                    from None
+            stages = [s for s, _ in members]
+            if len(members) < 2 or len(set(stages)) != len(stages) or not all(0 <= s < S for s in stages):
+                raise ValueError(f"tied entry {entry!r} must name two or more different stages in 0..{S - 1}")
+            ranks = sorted({self._rank_of(s) for s in stages})
             group = None
-            if ra != rb:
-                for g in pp_groups:  # every rank creates every pair group, in the same order
-                    pg = dist.new_group(sorted({g[ra], g[rb]}))
-                    if self.global_rank in (g[ra], g[rb]):
+            if len(ranks) > 1:
+                for g in pp_groups:  # every rank creates every group, in the same order
+                    members_g = sorted({g[r] for r in ranks})
+                    pg = dist.new_group(members_g)
+                    if self.global_rank in members_g:
                         group = pg
-            pa = self._param(sa, na) if sa in self.modules else None
-            pb = self._param(sb, nb) if sb in self.modules else None
-            for p, s, n in ((pa, sa, na), (pb, sb, nb)):
-                if p is not None and p.requires_grad is False:
+            held = [(s, n, self._param(s, n)) for s, n in members if s in self.modules]
+            for s, n, p in held:
+                if p.requires_grad is False:
                     raise ValueError(f"tied parameter {n!r} of stage {s} does not require grad")
-            if pa is not None and pb is not None and pa.shape != pb.shape:
-                raise ValueError(f"tied parameters {na!r} (stage {sa}) and {nb!r} (stage {sb}) have shapes "
-                                 f"{tuple(pa.shape)} and {tuple(pb.shape)}")
-            with torch.no_grad():  # start equal: stage a's value wins
-                if pa is not None and pb is not None:
-                    pb.copy_(pa)
-                elif group is not None:
-                    p = pa if pa is not None else pb
-                    dist.broadcast(p.data, src=self.pp_ranks[ra], group=group)
-                    COUNTER.record("broadcast", self.axis, p.numel() * p.element_size())
-            out.append((pa, pb, group))
+                if p.shape != held[0][2].shape:
+                    raise ValueError(f"tied parameters {held[0][1]!r} (stage {held[0][0]}) and {n!r} (stage {s}) "
+                                     f"have shapes {tuple(held[0][2].shape)} and {tuple(p.shape)}")
+            params = [p for _s, _n, p in held]
+            with torch.no_grad():  # start equal: the first stage's value wins
+                if group is not None and params:
+                    dist.broadcast(params[0].data, src=self.pp_ranks[self._rank_of(stages[0])], group=group)
+                    COUNTER.record("broadcast", self.axis, params[0].numel() * params[0].element_size())
+                for p in params[1:]:
+                    p.copy_(params[0])
+            out.append((params, group))
         return out
 
     def _param(self, stage: int, name: str) -> nn.Parameter:
@@ -569,18 +573,16 @@ class PipelineExecutor:
 
     # --- after the actions -------------------------------------------------------------------
     def _reduce_tied(self) -> None:
-        for pa, pb, group in self._tied:
-            if pa is not None and pb is not None:
-                ga = pa.grad if pa.grad is not None else torch.zeros_like(pa)
-                gb = pb.grad if pb.grad is not None else torch.zeros_like(pb)
-                tot = ga + gb
-                pa.grad, pb.grad = tot, tot.clone()
-            elif group is not None:
-                p = pa if pa is not None else pb
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
-                COUNTER.record("all_reduce", self.axis, p.grad.numel() * p.grad.element_size())
+        """Every copy of a tied weight gets the sum of all copies' gradients."""
+        for params, group in self._tied:
+            if not params:
+                continue
+            tot = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params)
+            if group is not None:
+                dist.all_reduce(tot, group=group)
+                COUNTER.record("all_reduce", self.axis, tot.numel() * tot.element_size())
+            for p in params:
+                p.grad = tot.clone()
 
     def _mean_loss(self) -> torch.Tensor:
         if self.last_stage in self.modules:

@@ -46,7 +46,7 @@ from .zero import broadcast_module, make_engine
 
 __all__ = ["PipelineProgram", "PipelineEngines", "PipelineOptimizer"]
 
-TiedPair = tuple[tuple[int, str], tuple[int, str]]
+TiedPair = tuple[tuple[int, str], ...]  # ((stage, param name), ...): one weight on 2+ stages
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -62,7 +62,7 @@ class PipelineProgram(nn.Module):
         schedule: a `runtime.schedules` name ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv").
         n_microbatches: the default for `step`.
         dp_axis, zero_stage, bucket_mb, engine_options: each stage's `make_engine(...)`.
-        tied: pairs ((stage_a, name_a), (stage_b, name_b)) of one weight held on two stages.
+        tied: groups ((stage_a, name_a), (stage_b, name_b), ...) of one weight held on several stages.
         in_spec, out_spec: pytree specs of the model's inputs (args, kwargs) and outputs.
         sync_init: broadcast every stage from dp index 0 first.
     """
@@ -318,7 +318,7 @@ class PipelineEngines:
         self.engines = dict(engines)
         self.mesh, self.pp_axis, self.dp_axis = mesh, pp_axis, dp_axis
         # the second copy of a tied weight: skipped when a norm must count it once
-        self._dup = {(b[0], b[1]) for _a, b in tied}
+        self._dup = {(m[0], m[1]) for group in tied for m in group[1:]}
         self.optimizer: PipelineOptimizer | None = None
 
     def make_optimizer(self, cls, param_groups: list[dict] | None = None, **kwargs) -> "PipelineOptimizer":

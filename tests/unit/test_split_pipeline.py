@@ -24,7 +24,7 @@ from autopar.models.gpt import GPT, loss_fn
 from autopar.passes import ir
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
-from autopar.passes.split_pipeline import pipeline_units, split_pipeline, split_stages
+from autopar.passes.split_pipeline import compose, pipeline_units, split_pipeline, split_stages
 from autopar.pipeline_build import pipeline_shape, write_schedule_svg, write_stage_graphs
 from autopar.runtime import schedules as sch
 from autopar.search.stages import (Chain, LayerCost, best_split, count_chain, in_flight_per_stage, layer_costs,
@@ -236,7 +236,7 @@ def test_a_tied_embedding_and_head_on_two_stages_are_two_copies_reported_as_a_pa
     a = split.stages[0].get_parameter("lm_head.weight")
     b = split.stages[1].get_parameter("lm_head.weight")
     assert a is not b and torch.equal(a, b)
-    from autopar.passes.split_pipeline import compose
+
     pipe = compose(gm, split)
     ref_out, ref_grads = _grads(gm, idx, tgt)
     out, grads = _grads(pipe, idx, tgt)
@@ -246,7 +246,7 @@ def test_a_tied_embedding_and_head_on_two_stages_are_two_copies_reported_as_a_pa
 
 
 class _Shared(nn.Module):
-    """Three blocks that all read one root parameter: it cannot be tied across three stages."""
+    """Three blocks that all read one root parameter: tied across up to three stages."""
 
     def __init__(self):
         super().__init__()
@@ -259,11 +259,19 @@ class _Shared(nn.Module):
         return x
 
 
-def test_a_weight_read_on_three_stages_and_bad_split_points_are_refused():
+def test_a_weight_read_on_three_stages_is_one_tied_group_and_bad_split_points_are_refused():
+    torch.manual_seed(0)
     gm = autopar.capture(_Shared(), (torch.randn(2, 4),))
     assert [u.name for u in pipeline_units(gm)] == ["blocks.0", "blocks.1", "blocks.2"]
-    with pytest.raises(ValueError, match=r"'scale' is read on stages \[0, 1, 2\]"):
-        split_stages(gm, ["blocks.1", "blocks.2"])
+    three = split_stages(gm, ["blocks.1", "blocks.2"])
+    assert three.info.tied == (((0, "scale"), (1, "scale"), (2, "scale")),)
+    x = torch.randn(2, 4)
+    pipe = compose(gm, three)
+    ref = torch.autograd.grad(gm(x)[0].sum(), [gm.get_parameter("scale")])[0]
+    copies = [pipe.get_parameter(f"stage{s}.scale") for s in range(3)]
+    assert len({id(c) for c in copies}) == 3  # each later stage holds its own copy
+    got = torch.autograd.grad(pipe(x)[0].sum(), copies)
+    torch.testing.assert_close(sum(got), ref, **FP32)  # the executor gives every copy this sum
     two = split_stages(gm, ["blocks.2"])  # on two stages it is a tied pair
     assert two.info.tied == (((0, "scale"), (1, "scale")),)
     with pytest.raises(ValueError, match=r"\['blocks.9'\] are not pipeline units"):
