@@ -201,13 +201,17 @@ class RealPlan:
     search_s: float
     peak_rss_gib: float
     text: str
+    dump_s: float = 0.0  # lowering the plan and writing its dump (0 when not asked)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def plan_real(name: str, *, world_size: int = 64, hardware: str = "h100-64", top: int = 3) -> RealPlan:
-    """Capture the row at its published size on meta and plan it for `world_size` devices."""
+def plan_real(name: str, *, world_size: int = 64, hardware: str = "h100-64", top: int = 3,
+              dump_dir: str | None = None) -> RealPlan:
+    """Capture the row at its published size on meta and plan it for `world_size` devices; with
+    `dump_dir`, also lower the plan (rank 0's passes, the pipeline split) and write its dump, which
+    shows that the plan is one the passes can carry out."""
     from autopar.model_source import ModelSource  # noqa: PLC0415
     from autopar.plan_view import plan_text  # noqa: PLC0415
     from autopar.planning import plan_model  # noqa: PLC0415
@@ -220,11 +224,18 @@ def plan_real(name: str, *, world_size: int = 64, hardware: str = "h100-64", top
         n_params = sum(p.numel() for p in sp.build().parameters())
     r = plan_model(src, world_size=world_size, hardware=hardware, batch=row.real_batch, seq=row.real_seq, top=top)
     best = r.best
+    dump_s = 0.0
+    if dump_dir:
+        from autopar.plan_dump import write_dump  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        write_dump(r, dump_dir, top=top)
+        dump_s = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     return RealPlan(name, row.real_name, n_params / 1e9, world_size, hardware, row.real_batch, row.real_seq,
                     dict(best.plan.mesh), float(best.step_s), float(best.peak_bytes) / 2**30,
                     float(r.seconds.get("capture_s", 0.0)), float(r.seconds.get("search_s", 0.0)), rss,
-                    plan_text(r, top))
+                    plan_text(r, top), dump_s)
 
 
 __all__ = ["MeshResult", "RealPlan", "TOLERANCES", "parity", "plan_real"]

@@ -3,9 +3,10 @@
 For each row of `autopar.models.zoo` (the published size: GPT-2 XL, Llama-3-8B, Mistral-7B,
 Qwen2-7B, Mixtral-8x7B, BERT-large, T5-large, ViT-L/16, ResNet-50), in a fresh process of
 its own (so that peak RAM is that row's): build under `torch.device("meta")`, capture, run the
-joint planner for 64 devices (`h100-64`: 8 nodes of 8 H100 SXM), and print the chosen plan,
-its predicted step time and memory, the capture and search seconds and the process's peak
-resident memory. The reference point is the model itself: a meta capture holds no weights,
+joint planner for 64 devices (`h100-64`: 8 nodes of 8 H100 SXM), lower the chosen plan (rank
+0's passes and the pipeline split, on meta) and write its dump to out/zoo/<row>/, and print
+the plan, its predicted step time and memory, the capture, search and dump seconds and the
+process's peak resident memory. The reference point is the model itself: a meta capture holds no weights,
 so peak RAM is what autopar's graph, cost tables and search take.
 
     python benchmarks/bench_zoo.py                 # every row that can be built here
@@ -23,10 +24,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def one(name: str, world: int, hardware: str, show_plan: bool) -> None:
+def one(name: str, world: int, hardware: str, show_plan: bool, dump_root: str | None) -> None:
     from autopar.zoo_check import plan_real
 
-    r = plan_real(name, world_size=world, hardware=hardware)
+    r = plan_real(name, world_size=world, hardware=hardware,
+                  dump_dir=os.path.join(dump_root, name) if dump_root else None)
     if show_plan:
         print(r.text, file=sys.stderr)
     d = r.to_dict()
@@ -40,10 +42,12 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, default=64)
     ap.add_argument("--hardware", default="h100-64")
     ap.add_argument("--plan", action="store_true", help="print each row's full plan text")
+    ap.add_argument("--dump", default="out/zoo", help="lower each plan (rank 0's passes, pipeline split) and "
+                    "write its dump under DUMP/<row>/ ('' to skip); the RAM column includes it")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        one(a.one, a.world_size, a.hardware, a.plan)
+        one(a.one, a.world_size, a.hardware, a.plan, a.dump or None)
         return 0
     from autopar.models import zoo
 
@@ -51,7 +55,7 @@ def main() -> int:
     print(f"zoo at real size: meta capture + joint planner for {a.world_size} devices ({a.hardware}); "
           "one process per row")
     print(f"{'row':14s} {'model':36s} {'params':>7s} {'batch x seq':>12s} {'plan':26s} {'step':>9s} {'peak/GPU':>9s} "
-          f"{'capture':>8s} {'search':>7s} {'RAM':>7s}")
+          f"{'capture':>8s} {'search':>7s} {'dump':>6s} {'RAM':>7s}")
     failed = 0
     for name in rows:
         why = zoo.get(name).available()
@@ -60,7 +64,7 @@ def main() -> int:
             continue
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name, "--world-size", str(a.world_size),
-                            "--hardware", a.hardware] + (["--plan"] if a.plan else []),
+                            "--hardware", a.hardware, "--dump", a.dump] + (["--plan"] if a.plan else []),
                            capture_output=True, text=True, cwd=ROOT)
         wall = time.perf_counter() - t0
         if a.plan:
@@ -76,7 +80,8 @@ def main() -> int:
         bs = f"{r['batch']} x {r['seq']}" if r["seq"] else f"{r['batch']}"
         size = f"{r['params_b']:6.2f}B" if r["params_b"] >= 1 else f"{r['params_b'] * 1e3:6.0f}M"
         print(f"{name:14s} {r['model'][:36]:36s} {size:>7s} {bs:>12s} {mesh:26s} {r['step_s'] * 1e3:7.0f}ms "
-              f"{r['peak_gib']:7.1f}GiB {r['capture_s']:7.1f}s {r['search_s']:6.1f}s {r['peak_rss_gib']:5.2f}GiB")
+              f"{r['peak_gib']:7.1f}GiB {r['capture_s']:7.1f}s {r['search_s']:6.1f}s {r['dump_s']:5.1f}s "
+              f"{r['peak_rss_gib']:5.2f}GiB")
     return 1 if failed else 0
 
 
