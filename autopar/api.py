@@ -212,7 +212,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                           + (", ".join(f"{k} {v}" for k, v in rec.modes.items() if v != "none") or "nothing")
                           + f"; peak {rec.predicted_peak / 2**20:.1f} MiB of {rec.budget_bytes / 2**20:.1f}, "
                           f"recompute {rec.recompute_s * 1e3:.2f} ms, gap {rec.solver['gap']:.1%}")
-    _predict(plan, global_gm, local_gm, mesh)  # before recompute: analyze() sees regions as opaque calls
+    _predict(plan, global_gm, local_gm, mesh, hardware or _hardware(mesh))  # before recompute (regions are opaque)
     records, stage_graphs = list(pm.records), []
     engine_options = {"model_parallel": {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and
                                                      type(p).__name__ == "Shard")
@@ -306,13 +306,30 @@ def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     return plan.pin(**all_pins) if all_pins else plan
 
 
+def _micro_sizes(gm, plan: Plan, mesh: Mesh) -> dict[str, int] | None:
+    """{"b": rows of one rank's micro-batch} for a graph captured with a dynamic batch, else None."""
+    if _batch_is_static(gm):
+        return None
+    ph = next((n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+               and n.meta["val"].dim() > 0), None)
+    if ph is None:
+        return None
+    rows = ph.meta["val"].shape[0]
+    hint = getattr(getattr(rows, "node", None), "hint", None)
+    rows = int(hint if hint is not None else rows) if not isinstance(rows, int) else rows
+    per = plan.dp * mesh.size("ep") * plan.n_microbatches
+    return {"b": max(1, rows // per)} if per > 1 else None
+
+
 def _hardware(mesh: Mesh) -> str:
     return "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
 
 
 def _search_sharding(plan: Plan, gm, mesh: Mesh, hardware: str) -> None:
     """Solve the sharding ILP for every sharding axis the plan does not already fix; rank 0
-    solves and the others receive its answer, so every rank carries out the same plan."""
+    solves and the others receive its answer, so every rank carries out the same plan. A graph
+    captured with a dynamic batch is solved at one rank's micro-batch (the global batch over
+    dp x ep x micro-batches): the size the strategies run at."""
     from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
     from autopar.runtime.placement import parse_placement  # noqa: PLC0415
 
@@ -324,7 +341,8 @@ def _search_sharding(plan: Plan, gm, mesh: Mesh, hardware: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             pins = {name: lay[axis] for name, lay in plan.param_layouts.items() if axis in dict(lay.axes)}
             try:
-                sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins)
+                sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins,
+                                     sizes=_micro_sizes(gm, plan, mesh))
                 result = {"strategies": sol.strategies(), "params": {n: str(p) for n, p in sol.param_placements().items()},
                           "notes": [sol.summary()] + _shard_notes(sol),
                           "layouts": {sol.keys[n]: str(s.out) for n, s in sol.chosen.items()
@@ -413,23 +431,28 @@ def _fresh(gm):
     return out
 
 
-def _predict(plan: Plan, global_gm, local_gm, mesh: Mesh) -> None:
-    """Fill plan.predicted from the cost model when it is available. Sizes are per rank: the
-    global graph with the batch split over dp x micro-batches, or the per-rank capture when
-    the batch dim was captured static."""
+def _predict(plan: Plan, global_gm, local_gm, mesh: Mesh, hardware: str) -> None:
+    """Fill plan.predicted from the cost model when it is available, for the hardware the plan
+    was made for. Sizes are per rank: the global graph with the batch split over dp x
+    micro-batches, or the per-rank capture when the batch dim was captured static. The global
+    graph has no tensor-parallel collectives: their time, as the sharding search priced it,
+    is added to the step (they block the ops that wait for them) and to the communication."""
     try:
         from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
     except ImportError:
         return
     planned = plan.predicted if plan.predicted.get("source") == "planner" else None
     try:
-        hw = "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
         if _batch_is_static(global_gm):
-            predicted = cost_estimate(local_gm, plan, hw).summary()
+            predicted = cost_estimate(local_gm, plan, hardware).summary()
         else:
-            predicted = cost_estimate(global_gm, plan, hw, batch_is_global=True).summary()
+            predicted = cost_estimate(global_gm, plan, hardware, batch_is_global=True).summary()
         for axis, info in plan.extra.get("shard", {}).items():
-            predicted[f"{axis}_comm_s"] = info["comm_s"]
+            t = float(info["comm_s"]) * plan.n_microbatches  # the search prices one micro-batch
+            predicted[f"{axis}_comm_s"] = t
+            for k in ("step_s", "comm_s", "comm_exposed_s"):
+                if k in predicted:
+                    predicted[k] += t
     except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
         predicted = {"error": f"{type(e).__name__}: {e}"}
     plan.predicted = {**planned, "estimate": predicted} if planned is not None else predicted

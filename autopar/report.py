@@ -18,6 +18,20 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+def _fmt_prediction(key: str, v) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, dict) and all(isinstance(x, (int, float)) for x in v.values()) and "bytes" in key:
+            return ", ".join(f"{a}: {_fmt_bytes(x)}" for a, x in v.items())
+        return str(v)
+    if "bytes" in key:
+        return _fmt_bytes(v)
+    if key.endswith("_s"):
+        return f"{v * 1e3:.3f} ms"
+    if key == "mfu" or key.endswith("bubble"):
+        return f"{v:.1%}"
+    return f"{v:g}"
+
+
 def plan_text(pm) -> str:
     """The plan of a ParallelModel as a table: mesh, strategy per dimension, predictions, notes."""
     plan = pm.plan
@@ -34,9 +48,7 @@ def plan_text(pm) -> str:
     n_params = sum(p.numel() for p in pm.program.module.parameters())
     t.add_row("parameters on a rank", f"{n_params:,}")
     for k, v in sorted(plan.predicted.items()):
-        if isinstance(v, (int, float)) and "bytes" in k:
-            v = _fmt_bytes(v)
-        t.add_row(f"predicted {k}", str(v))
+        t.add_row(f"predicted {k}", _fmt_prediction(k, v))
     buf = StringIO()
     Console(file=buf, width=100, force_terminal=False, color_system=None).print(t)
     notes = "\n".join(f"  - {n}" for n in plan.notes)
