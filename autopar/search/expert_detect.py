@@ -1,0 +1,541 @@
+"""Mixture-of-experts blocks in a captured graph: the detection half of expert parallelism
+(`search/expert.py` costs an ep degree and writes the plan entry from what this finds).
+
+Detection works on the graph's structure (ATen ops and data flow), never on class names:
+
+* a *router* is an `aten.topk` over the last dim of (softmax / sigmoid / casts of) a linear
+  map of token rows x (N, D) by a weight (E, D); its indices (N, K) route assignment
+  a = n * K + k to an expert;
+* the *index set* I of a router is everything computed from the indices alone (positions,
+  slots, permutations, counts, capacity masks);
+* a *dispatch* is an indexing op whose index is in I and whose data is not: a scatter of
+  per-assignment copies of x into expert slots (`index_add`, "slots" idiom: models/moe.py),
+  or gathers of rows through a sort permutation (`index` / `index_select`, "sorted" idiom:
+  transformers' Mixtral, Qwen2-MoE, OLMoE with the grouped-matmul op
+  `transformers.grouped_mm_fallback`);
+* the *combine* is the indexing op (index in I) that brings expert outputs back to
+  assignment order, (N * K, D);
+* the *experts* are the nodes between dispatch and combine: per expert (slots: from
+  `select(buffer, 0, e)` to the e-th input of a `stack`) or grouped (sorted: row-wise ops and
+  grouped matmuls over parameters with a leading expert dim, with group offsets computed in I).
+  Every expert op must be row-wise (no op mixes rows), which is what lets the experts run on
+  any number of rows;
+* capacity: the bool (N, K) mask in I that selects the slot (`where(keep, slot, dummy)`), and
+  the SymInt it compares queue positions against; dropless when that capacity equals N;
+* router statistics: reductions over the token dim of values computed from router outputs
+  alone (the load-balancing loss's f_e and P_e, transformers' aux loss). The pass makes
+  them global over the batch axes so the loss equals one process's.
+
+The result for a block is plain JSON keyed by stable node keys (`passes.ir.node_keys`).
+
+API: `detect_moe(gm) -> [MoEBlock]`, `router_stats(gm, blocks) -> [node key]`; both are
+re-exported by `autopar.search.expert`.
+
+Guarantees: a dense model gives no blocks; a router that leads to a dispatch this module
+cannot take apart (an expert op that mixes rows, an unknown index pattern) raises
+`MoEDetectError` (a ValueError) naming the node.
+
+Reads node.meta["autopar"] (shapes, modules) and node.meta["val"]; writes nothing on nodes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from autopar.passes import ir
+from autopar.passes.rules.sharding import op_name
+
+VIEWLIKE = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.expand", "aten.slice",
+            "aten.clone", "aten.contiguous", "aten.alias", "aten.to", "aten._to_copy", "aten.flatten"}
+ROUTER_UNARY = {"aten.softmax", "aten._softmax", "aten.sigmoid", "aten.log_softmax", "aten.to", "aten._to_copy",
+                "aten.clone", "aten.contiguous", "aten.alias"}
+# ops that compute each output row from the same input row only (experts must be made of these)
+ROW_WISE = {"aten.linear", "aten.silu", "aten.gelu", "aten.relu", "aten.mul", "aten.add", "aten.sub", "aten.div",
+            "aten.neg", "aten.sigmoid", "aten.tanh", "aten.to", "aten._to_copy", "aten.clone", "aten.contiguous",
+            "aten.chunk", "aten.split", "operator.getitem", "aten.pow", "aten.dropout", "aten.alias", "aten.mm",
+            "aten.matmul", "aten.addmm", "aten.rms_norm", "aten.layer_norm", "aten._assert_tensor_metadata",
+            "transformers.grouped_mm_fallback", "aten._grouped_mm", "aten.grouped_mm", "aten.narrow",
+            "aten.slice", "aten.split_with_sizes", "aten.erf", "aten.exp", "aten.square", "aten.relu6"}
+SPLITS_DIM = {"aten.chunk": 2, "aten.split": 2, "aten.split_with_sizes": 2, "aten.narrow": 1, "aten.slice": 1}
+GROUPED = {"transformers.grouped_mm_fallback", "aten._grouped_mm", "aten.grouped_mm"}
+REDUCTIONS = {"aten.sum", "aten.mean", "aten.histc"}
+
+
+class MoEDetectError(ValueError):
+    pass
+
+
+def _base(n: fx.Node) -> str:
+    """'aten.linear' for aten.linear.default (overload dropped)."""
+    if n.op != "call_function":
+        return n.op
+    name = op_name(n.target)
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] in ("aten", "transformers", "autopar", "prims") else name
+
+
+def _shape(n) -> tuple | None:
+    if not isinstance(n, fx.Node):
+        return None
+    i = ir.get_info(n)
+    if i is not None and i.shape is not None:
+        return i.shape
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(s if isinstance(s, int) else str(s) for s in val.shape)
+    return None
+
+
+def _tensorish(n) -> bool:
+    if not isinstance(n, fx.Node) or n.op == "output":
+        return False
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return True
+    if isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
+        return True
+    return n.op == "get_attr" or _shape(n) is not None
+
+
+def _sym(x) -> sympy.Expr:
+    return sympy.sympify(x) if isinstance(x, str) else sympy.Integer(int(x))
+
+
+def _same(a, b) -> bool:
+    try:
+        return sympy.simplify(_sym(a) - _sym(b)) == 0
+    except (sympy.SympifyError, TypeError):
+        return str(a) == str(b)
+
+
+def _val_expr(x):
+    """A capacity operand as a sympy expression (SymInt node or int)."""
+    if isinstance(x, int):
+        return sympy.Integer(x)
+    if isinstance(x, fx.Node):
+        v = x.meta.get("val")
+        if isinstance(v, int):
+            return sympy.Integer(v)
+        if isinstance(v, torch.SymInt):
+            return sympy.sympify(str(v.node.expr))
+    return None
+
+
+@dataclass
+class MoEBlock:
+    """One detected MoE block (plain data; `to_json()` goes into plan.extra["expert"])."""
+
+    module: str  # common module path of router and combine
+    idiom: str  # "slots" | "sorted"
+    n_experts: int
+    top_k: int
+    hidden: int  # D
+    dtype: str
+    tokens: str  # key of x (N, D)
+    expert_index: str  # key of the router's indices (N, K)
+    router: str  # key of the topk node
+    gate: str | None  # router weight parameter
+    combine: str  # key of the node with expert outputs in assignment order (N*K, D), replaced
+    capacity: str | None = None  # key of the capacity SymInt node (slots)
+    capacity_value: int | None = None  # the capacity when it is a constant
+    keep: str | None = None  # key of the keep mask (N, K)
+    dropless: bool = True
+    entries: list[str] = field(default_factory=list)  # slots: per expert, its input rows
+    exits: list[str] = field(default_factory=list)  # slots: per expert, its output rows
+    gathers: list[dict] = field(default_factory=list)  # sorted: {"node", "source", "per"}
+    offsets: str | None = None  # sorted: group offsets (cumulative rows per expert)
+    combine_input: str | None = None  # sorted: expert rows (region output) read by the combine
+    expert_params: dict[str, Any] = field(default_factory=dict)  # name -> expert id (slots) | "dim0" (sorted)
+    flops_per_row: float = 0.0  # forward FLOPs of one expert on one row
+    side_row_bytes: int = 0  # per-assignment data dispatched besides x (sorted idiom: weights)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+# --- detection -----------------------------------------------------------------------------
+class _Graph:
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.nodes = list(gm.graph.nodes)
+        self.order = {n: i for i, n in enumerate(self.nodes)}
+        self.keys = ir.node_keys(gm)
+        self.dep: dict[fx.Node, bool] = {}
+        for n in self.nodes:
+            # data dependence on an input through tensors (sizes do not count: arange(N) is token-free)
+            self.dep[n] = n.op == "placeholder" or any(self.dep.get(a, False) for a in n.all_input_nodes
+                                                       if _tensorish(a))
+        self.batch = None
+        for n in self.nodes:
+            if n.op == "placeholder" and _shape(n):
+                self.batch = _shape(n)[0]
+                break
+
+    def tin(self, n: fx.Node) -> list[fx.Node]:
+        return [a for a in n.all_input_nodes if _tensorish(a)]
+
+    def closure(self, seeds) -> set:
+        """Nodes computed from `seeds` whose other tensor inputs are all token-free or in the set."""
+        out = set(seeds)
+        start = min(self.order[s] for s in seeds)
+        for n in self.nodes[start:]:
+            if n in out or n.op != "call_function":
+                continue
+            ins = self.tin(n)
+            if ins and any(a in out for a in ins) and all(a in out or not self.dep[a] for a in ins):
+                out.add(n)
+        return out
+
+    def descendants(self, seeds) -> set:
+        out = set(seeds)
+        start = min(self.order[s] for s in seeds)
+        for n in self.nodes[start:]:
+            if any(a in out for a in n.all_input_nodes):
+                out.add(n)
+        return out
+
+    def ancestors(self, n: fx.Node) -> set:
+        out, stack = set(), [n]
+        while stack:
+            m = stack.pop()
+            for a in m.all_input_nodes:
+                if a not in out:
+                    out.add(a)
+                    stack.append(a)
+        return out
+
+    def token_major(self, n: fx.Node, n_tokens) -> bool:
+        s = _shape(n)
+        if not s:
+            return False
+        d0 = s[0]
+        if isinstance(d0, str) and isinstance(self.batch, str):
+            return any(str(f) == self.batch for f in _sym(d0).free_symbols)
+        return any(isinstance(d0, int) and isinstance(t, int) and t and d0 % t == 0 for t in n_tokens)
+
+
+def _router(g: _Graph, t: fx.Node):
+    """(gate linear node, token rows node, E) if topk node `t` selects experts, else None."""
+    inp = t.args[0]
+    shape = _shape(inp)
+    if not shape or len(shape) != 2:
+        return None
+    dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim", -1)
+    if dim not in (-1, 1):
+        return None
+    m = inp
+    while isinstance(m, fx.Node) and _base(m) in ROUTER_UNARY:
+        m = m.args[0]
+    if not isinstance(m, fx.Node) or _base(m) != "aten.linear":
+        return None
+    w = m.args[1]
+    if not (isinstance(w, fx.Node) and w.op == "get_attr" and _shape(w) and _shape(w)[0] == shape[1]):
+        return None
+    return m, m.args[0], int(shape[1])
+
+
+def _getitem(n: fx.Node, i: int) -> fx.Node | None:
+    for u in n.users:
+        if u.op == "call_function" and op_name(u.target) == "operator.getitem" and u.args[1] == i:
+            return u
+    return None
+
+
+def _index_of(n: fx.Node):
+    """(data, index) of an indexing op, or None."""
+    b = _base(n)
+    if b == "aten.index" and isinstance(n.args[1], (list, tuple)) and len(n.args[1]) == 1:
+        return n.args[0], n.args[1][0]
+    if b == "aten.index_select" and n.args[1] == 0:
+        return n.args[0], n.args[2]
+    if b == "aten.index_add" and n.args[1] == 0:
+        return n.args[3], n.args[2]
+    return None
+
+
+def _params_feeding(g: _Graph, region: set) -> dict[str, fx.Node]:
+    """Parameters read by `region` directly or through parameter-only nodes."""
+    out = {}
+    for n in region:
+        for a in n.all_input_nodes:
+            if a in region or g.dep[a]:
+                continue
+            for m in [a] + list(g.ancestors(a)):
+                if m.op == "get_attr" and ir.get_info(m) and ir.info(m).kind == "param":
+                    out[str(m.target)] = m
+    return out
+
+
+def _check_row_wise(g: _Graph, region: set, starts: set, what: str) -> None:
+    rows = region | starts
+    for n in region:
+        b = _base(n)
+        mixes = n.op == "call_function" and b not in ROW_WISE
+        if b in SPLITS_DIM:  # along the last dims only, never across rows (a full slice is a copy)
+            pos = SPLITS_DIM[b]
+            dim = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
+            full = b == "aten.slice" and (n.args[2:3] or [0])[0] in (0, None) and \
+                ((n.args[3:4] or [None])[0] is None or (n.args[3:4] or [0])[0] >= 2**62)
+            mixes |= dim % max(1, len(_shape(n.args[0]) or ())) == 0 and not full
+        if b in ("aten.unsqueeze", "aten.squeeze", "aten.transpose"):  # fine unless dim 0 moves
+            nd = len(_shape(n.args[0]) or ()) + (b == "aten.unsqueeze")
+            dims = [d for d in n.args[1:3] if isinstance(d, int)]
+            mixes = not dims or any(d % max(1, nd) == 0 for d in dims)
+        if b in ("aten.view", "aten.reshape"):  # (-1, trailing...) keeping the trailing size
+            sizes, ins = list(n.args[1]), _shape(n.args[0]) or ()
+            mixes = not (sizes and sizes[0] == -1 and all(isinstance(d, int) for d in sizes[1:]) and
+                         all(isinstance(d, int) for d in ins[1:]) and math.prod(sizes[1:]) == math.prod(ins[1:]))
+        if b in ("aten.mm", "aten.matmul"):  # rows times a weight, not a weight times rows
+            mixes |= n.args[1] in rows or n.args[0] not in rows
+        if mixes:
+            raise MoEDetectError(f"{what}: {g.keys[n]} ({n.format_node()}) is not a row-wise op, so the experts "
+                                 "cannot run on a different number of rows; expert parallelism does not apply")
+        for a in list(n.args) + list(n.kwargs.values()):
+            for x in (a if isinstance(a, (list, tuple)) else [a]):
+                if isinstance(x, fx.Node) and not _tensorish(x) and b not in ("aten._assert_tensor_metadata",):
+                    raise MoEDetectError(f"{what}: {g.keys[n]} uses the size {x.name}; expert ops must not "
+                                         "depend on row counts")
+
+
+def _flops_per_row(params: dict[str, fx.Node], per_expert: int) -> float:
+    numel = sum(math.prod(int(s) for s in _shape(p)) for p in params.values())
+    return 2.0 * numel / per_expert
+
+
+def _block_module(g: _Graph, a: fx.Node, b: fx.Node) -> str:
+    pa, pb = ir.info(a).module.split("."), ir.info(b).module.split(".")
+    common = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+def _detect_one(g: _Graph, t: fx.Node) -> MoEBlock | None:
+    r = _router(g, t)
+    if r is None:
+        return None
+    lin, x_router, E = r
+    idx = _getitem(t, 1)
+    if idx is None:
+        return None
+    K = int(t.args[1])
+    N = _shape(t.args[0])[0]
+    I = g.closure([idx])
+    disp, comb = [], None
+    for n in g.nodes[g.order[idx]:]:
+        if n in I or n.op != "call_function":
+            continue
+        io = _index_of(n)
+        if io is None or io[1] not in I:
+            continue
+        data = io[0]
+        if disp and any(d in g.ancestors(data) for d in disp):
+            comb = n
+            break
+        disp.append(n)
+    if not disp or comb is None:
+        return None
+    scatter = [d for d in disp if _base(d) == "aten.index_add"]
+    common = dict(n_experts=E, top_k=K, router=g.keys[t], expert_index=g.keys[idx], combine=g.keys[comb],
+                  gate=str(lin.args[1].target), dtype=ir.info(comb).dtype or "float32")
+    if scatter:
+        return _slots(g, t, idx, I, scatter[0], comb, N, common)
+    return _sorted(g, t, idx, I, disp, comb, N, common)
+
+
+def _slots(g, t, idx, I, scat, comb, N, common) -> MoEBlock:
+    E, K = common["n_experts"], common["top_k"]
+    where = f"MoE block at {g.keys[t]}"
+    src = scat.args[3]
+    # src must be x repeated per assignment: reshape(expand(unsqueeze(x, 1), [N, K, D]), [N*K, D])
+    chain, m = [], src
+    while _base(m) in VIEWLIKE:
+        chain.append(m)
+        m = m.args[0]
+    kinds = [_base(c) for c in chain]
+    if "aten.expand" not in kinds or "aten.unsqueeze" not in kinds:
+        raise MoEDetectError(f"{where}: the dispatched rows {g.keys[src]} are not a per-assignment copy of tokens")
+    unsq = chain[kinds.index("aten.unsqueeze")]
+    exp = chain[kinds.index("aten.expand")]
+    if unsq.args[1] != 1 or len(_shape(exp)) != 3 or _shape(exp)[1] != K:
+        raise MoEDetectError(f"{where}: tokens are repeated in an order other than token-major ({g.keys[exp]})")
+    x = unsq.args[0]
+    while _base(x) in ("aten.slice", "aten.alias", "aten.clone") and _shape(x.args[0]) == _shape(x):
+        x = x.args[0]
+    # buffer (E*C(+1), D) -> ... -> (E, C, D) -> select(., 0, e)
+    m = scat
+    while True:
+        users = list(m.users)
+        sel = [u for u in users if _base(u) == "aten.select"]
+        if sel:
+            break
+        nxt = [u for u in users if _base(u) in VIEWLIKE]
+        if len(users) != 1 or not nxt:
+            raise MoEDetectError(f"{where}: expert slots {g.keys[m]} are used by {[g.keys[u] for u in users]}")
+        m = nxt[0]
+    buf = m
+    if _shape(buf)[0] != E or len(sel) != E or sorted(u.args[2] for u in sel) != list(range(E)):
+        raise MoEDetectError(f"{where}: expected {E} per-expert selects of {g.keys[buf]}")
+    entries = {u.args[2]: u for u in sel}
+    reach = {e: g.descendants([entries[e]]) for e in range(E)}
+    join = next(n for n in g.nodes if all(n in reach[e] for e in range(E)))
+    if _base(join) not in ("aten.stack", "aten.cat") or len(join.args[0]) != E:
+        raise MoEDetectError(f"{where}: expert outputs meet at {g.keys[join]}, not a stack of {E} outputs")
+    exits = {}
+    for a in join.args[0]:
+        owners = [e for e in range(E) if a in reach[e]]
+        if len(owners) != 1:
+            raise MoEDetectError(f"{where}: {g.keys[a]} mixes experts {owners}")
+        exits[owners[0]] = a
+    params, flops = {}, 0.0
+    for e in range(E):
+        region = (reach[e] & (g.ancestors(exits[e]) | {exits[e]})) - {entries[e]}
+        _check_row_wise(g, region, {entries[e]}, f"{where}, expert {e}")
+        for n in region:
+            for a in g.tin(n):
+                if a not in region and a is not entries[e] and g.dep[a]:
+                    raise MoEDetectError(f"{where}: expert {e} reads {g.keys[a]} besides its rows")
+        pe = _params_feeding(g, region)
+        flops = max(flops, _flops_per_row(pe, 1))
+        for name in sorted(pe):
+            params[name] = e
+    # capacity: where(keep, slot, dummy) on the slot index's ancestry, keep = lt(position, C)
+    keep = cap = None
+    cap_value, dropless = None, True
+    for n in sorted(g.ancestors(scat.args[2]) | {scat.args[2]}, key=g.order.get):
+        if n in I and _base(n) == "aten.where" and isinstance(n.args[0], fx.Node) and n.args[0] in I:
+            keep = n.args[0]
+            break
+    if keep is not None and _base(keep) == "aten.lt":
+        c = keep.args[1]
+        ce = _val_expr(c)
+        if isinstance(c, fx.Node):
+            cap = g.keys[c]
+        elif isinstance(c, int):
+            cap_value = c
+        dropless = ce is not None and _same(str(ce), N)
+        if ce is None:
+            raise MoEDetectError(f"{where}: cannot read the capacity {c!r} of {g.keys[keep]}")
+    return MoEBlock(module=_block_module(g, t, comb), idiom="slots", hidden=int(_shape(x)[1]), tokens=g.keys[x],
+                    capacity=None if dropless else cap, capacity_value=None if dropless else cap_value,
+                    keep=g.keys[keep] if keep is not None else None, dropless=dropless,
+                    entries=[g.keys[entries[e]] for e in range(E)], exits=[g.keys[exits[e]] for e in range(E)],
+                    expert_params=params, flops_per_row=flops, **common)
+
+
+def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
+    E, K = common["n_experts"], common["top_k"]
+    where = f"MoE block at {g.keys[t]}"
+    out, x = [], None
+    side = 0
+    for d in gathers:
+        data, index = _index_of(d)
+        rows = _shape(data)[0]
+        if _same(rows, N):
+            if not (_base(index) in ("aten.floor_divide", "aten.div") and index.args[1] == K and index.args[0] in I):
+                raise MoEDetectError(f"{where}: token rows {g.keys[d]} are gathered by {g.keys[index]}, "
+                                     f"not by assignment // {K}")
+            out.append({"node": g.keys[d], "source": g.keys[data], "per": "token"})
+            x = data
+        elif _same(rows, _sym(N) * K):
+            out.append({"node": g.keys[d], "source": g.keys[data], "per": "assignment"})
+            side += math.prod(int(s) for s in _shape(data)[1:]) * _itemsize(ir.info(data).dtype or "float32")
+        else:
+            raise MoEDetectError(f"{where}: {g.keys[d]} gathers rows of {g.keys[data]} ({rows} rows), neither "
+                                 f"tokens ({N}) nor assignments")
+    if x is None:
+        raise MoEDetectError(f"{where}: no gather of token rows")
+    cdata, cindex = _index_of(comb)
+    starts = set(gathers)
+    region = (g.descendants(list(starts)) & (g.ancestors(cdata) | {cdata})) - starts
+    _check_row_wise(g, region, starts, where)
+    offsets = None
+    for n in region:
+        for a in g.tin(n):
+            if a in region or a in starts or not g.dep[a]:
+                continue
+            if a in I and _base(a) == "aten.cumsum" and _base(n) in GROUPED:
+                if offsets not in (None, a):
+                    raise MoEDetectError(f"{where}: two different group offsets {g.keys[offsets]}, {g.keys[a]}")
+                offsets = a
+            else:
+                raise MoEDetectError(f"{where}: the experts read {g.keys[a]} ({a.format_node()}), which is neither "
+                                     "a dispatched row nor group offsets")
+    pe = _params_feeding(g, region)
+    for name, p in pe.items():
+        if _shape(p)[0] != E:
+            raise MoEDetectError(f"{where}: expert parameter {name} has shape {_shape(p)}; grouped experts need a "
+                                 f"leading dim of {E}")
+    return MoEBlock(module=_block_module(g, t, comb), idiom="sorted", hidden=int(_shape(x)[1]), tokens=g.keys[x],
+                    gathers=out, offsets=g.keys[offsets] if offsets is not None else None,
+                    combine_input=g.keys[cdata], expert_params={n: "dim0" for n in sorted(pe)},
+                    flops_per_row=_flops_per_row(pe, E), side_row_bytes=side, **common)
+
+
+def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
+    """Every MoE block of a captured graph, in graph order (empty for a dense model).
+    Raises MoEDetectError naming the node when a router leads to a dispatch this module
+    cannot take apart (an expert op that mixes rows, an unknown index pattern)."""
+    g = _Graph(gm)
+    out = []
+    for n in g.nodes:
+        if n.op == "call_function" and _base(n) == "aten.topk":
+            b = _detect_one(g, n)
+            if b is not None:
+                out.append(b)
+    return out
+
+
+def router_stats(gm: fx.GraphModule, blocks: list[MoEBlock] | None = None) -> list[str]:
+    """Keys of floating reductions over the token dim of values computed from router outputs
+    alone (load-balancing statistics), excluding the dispatch bookkeeping of `blocks`."""
+    g = _Graph(gm)
+    blocks = detect_moe(gm) if blocks is None else blocks
+    by_key = {k: n for n, k in g.keys.items()}
+    seeds, n_tok = [], []
+    for n in g.nodes:
+        if n.op == "call_function" and _base(n) == "aten.topk":
+            r = _router(g, n)
+            if r is not None:
+                seeds.append(r[0])
+                n_tok.append(_shape(n.args[0])[0])
+    if not seeds:
+        return []
+    n_tok_int = [t * k for t in n_tok if isinstance(t, int) for k in (1, 2, 4, 8)]
+    S = g.closure(seeds)
+    bookkeeping: set = set()
+    for b in blocks:
+        for key in [b.offsets, b.combine] + [d["node"] for d in b.gathers]:
+            if key:
+                bookkeeping |= g.ancestors(by_key[key])
+        if b.idiom == "slots":
+            for e in b.entries:
+                bookkeeping |= g.ancestors(by_key[e])
+    out = []
+    for n in g.nodes:
+        if n not in S or n in bookkeeping or _base(n) not in REDUCTIONS:
+            continue
+        inp = n.args[0]
+        if not g.token_major(inp, n_tok_int) or g.token_major(n, n_tok_int):
+            continue
+        dtype = ir.info(n).dtype or ""
+        if not dtype.startswith(("float", "bfloat")):
+            continue
+        nd = len(_shape(inp))
+        if _base(n) in ("aten.sum", "aten.mean") and len(n.args) > 1 and n.args[1] is not None:
+            dims = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
+            if 0 not in [d % nd for d in dims]:
+                continue
+        out.append(g.keys[n])
+    return out
