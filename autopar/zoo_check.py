@@ -16,8 +16,9 @@ text, capture and search seconds; peak RAM is the process's, so run one row per 
 Tolerances (fp32): loss 1e-5 absolute every step, gradient norm 1e-5 relative, parameters
 and buffers after 3 steps 1e-4 absolute (as the data- and tensor-parallel tests: AdamW with
 eps=1e-6 at lr 1e-2, where rounding-order noise on near-zero gradients moves a weight by up
-to ~1% of a step). fp64 rows: loss 1e-6 (transformers keeps some fp32 islands), gradient norm
-1e-9 relative, parameters 1e-7.
+to ~1% of a step). fp64 rows: loss 1e-6, gradient norm 1e-9 relative, parameters 1e-6
+(transformers computes some ops in fp32 whatever the model's dtype: the rotary tables, Gemma's
+RMSNorm; Adam amplifies their rounding on near-zero gradients: Gemma-2 at dp2 x tp2, 2.1e-7).
 
 It reads and writes no `node.meta` keys.
 """
@@ -36,7 +37,7 @@ from autopar.models import zoo
 
 STEPS, BATCH, SEQ, LR, EPS = 3, 8, 16, 1e-2, 1e-6
 TOLERANCES = {"float32": {"loss": 1e-5, "grad_norm_rel": 1e-5, "param": 1e-4},
-              "float64": {"loss": 1e-6, "grad_norm_rel": 1e-9, "param": 1e-7}}
+              "float64": {"loss": 1e-6, "grad_norm_rel": 1e-9, "param": 1e-6}}
 
 
 @dataclass

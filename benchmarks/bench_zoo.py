@@ -51,7 +51,7 @@ def main() -> int:
         return 0
     from autopar.models import zoo
 
-    rows = a.rows or zoo.names()
+    rows = a.rows or [n for n in zoo.names() if not zoo.get(n).breadth]
     print(f"zoo at real size: meta capture + joint planner for {a.world_size} devices ({a.hardware}); "
           "one process per row")
     print(f"{'row':14s} {'model':36s} {'params':>7s} {'batch x seq':>12s} {'plan':26s} {'step':>9s} {'peak/GPU':>9s} "

@@ -53,6 +53,7 @@ class Row:
     dtype: str = "float32"  # parity dtype
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    breadth: bool = False  # beyond the issue's list: tiny parity only (dp x tp, fp64), no real-size plan
 
     def available(self) -> str | None:
         """None when the row's library imports here, else the reason it does not."""
@@ -80,6 +81,46 @@ _DP_TP = ({"dp": 2, "tp": 2}, {"hardware": "h100-sxm"})  # plan tp for a GPU (on
 _PP_DP = ({"pp": 2, "dp": 2}, {})
 _PLANNER = ({"world_size": 4}, {"hardware": "h100-sxm"})
 _DECODER_MESHES = (_PLANNER, _DP_TP, _PP_DP)
+
+def _breadth_rows() -> list[Row]:
+    """More transformers architectures, each with one mesh (dp2 x tp2, planned for H100s; the MoE
+    also dp2 x ep2) in fp64, where sharding leaves nothing but summation order: parity to 1e-6
+    after 3 AdamW steps catches a wrong rule that fp32 noise would hide."""
+    mesh = (_DP_TP,)
+    enc = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    spec = [
+        ("hf-gemma", "GemmaForCausalLM", "causal_lm", dict(_LLAMA_TINY, head_dim=16)),
+        ("hf-gemma2", "Gemma2ForCausalLM", "causal_lm", dict(_LLAMA_TINY, head_dim=16)),
+        ("hf-phi3", "Phi3ForCausalLM", "causal_lm", dict(_LLAMA_TINY, pad_token_id=0)),
+        ("hf-opt", "OPTForCausalLM", "causal_lm",
+         dict(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0, pad_token_id=1)),
+        ("hf-gpt-neox", "GPTNeoXForCausalLM", "causal_lm",
+         dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)),
+        ("hf-falcon", "FalconForCausalLM", "causal_lm",
+         dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
+              attention_dropout=0.0)),
+        ("hf-qwen2-moe", "Qwen2MoeForCausalLM", "causal_lm",
+         dict(_LLAMA_TINY, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+              num_experts_per_tok=2)),
+        ("hf-roberta", "RobertaForMaskedLM", "masked_lm", dict(enc, max_position_embeddings=80, pad_token_id=1)),
+        ("hf-deberta-v2", "DebertaV2ForMaskedLM", "masked_lm", dict(enc, max_position_embeddings=64)),
+        ("hf-distilbert", "DistilBertForMaskedLM", "masked_lm",
+         dict(vocab_size=128, dim=64, hidden_dim=128, n_layers=2, n_heads=4, dropout=0.0, attention_dropout=0.0,
+              max_position_embeddings=64)),
+        ("hf-swin", "SwinForImageClassification", "image",
+         dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
+              num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)),
+        ("hf-convnext", "ConvNextForImageClassification", "image",
+         dict(image_size=32, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=10, drop_path_rate=0.0)),
+    ]
+    moe_mesh = (({"dp": 2, "ep": 2}, {}),)
+    # fp32 for the MoE: transformers' grouped experts call torch._grouped_mm, which takes no fp64
+    return [Row(n, "transformers", arch, task, cfg, {}, "", 0, None, mesh + (moe_mesh if "moe" in n else ()),
+                dtype="float32" if "moe" in n else "float64", breadth=True) for n, arch, task, cfg in spec]
+
 
 ROWS: dict[str, Row] = {r.name: r for r in [
     Row("hf-gpt2", "transformers", "GPT2LMHeadModel", "causal_lm",
@@ -136,6 +177,7 @@ ROWS: dict[str, Row] = {r.name: r for r in [
         notes="BatchNorm: statistics are synchronised over the batch axes (the sync_batchnorm pass), so dp keeps "
               "one-process parity; checked in float64 because batch norm over 8 samples of 1x1 maps makes fp32 "
               "itself noisy (one process, fp32 vs fp64: 5.5e-3 apart after 3 AdamW steps)"),
+    *_breadth_rows(),
     Row("timm-resnet50", "timm", "resnet50", "image", dict(num_classes=10), dict(num_classes=1000),
         "timm resnet50", 4096, None, (_PLANNER, _DP_TP, _PP_DP), dtype="float64",
         extra={"tiny_image": 32, "real_image": 224}),
@@ -234,6 +276,9 @@ def spec(name: str, size: str = "tiny", style: str = "positional") -> ModelSpec:
     if size not in ("tiny", "real"):
         raise ValueError(f"size must be 'tiny' or 'real', got {size!r}")
     row = get(name)
+    if size == "real" and row.breadth:
+        raise ValueError(f"{name} is a breadth row (tiny parity only); real-size rows: "
+                         f"{', '.join(n for n in ROWS if not ROWS[n].breadth)}")
     if style == "labels":
         if row.task not in ("causal_lm", "masked_lm"):
             raise ValueError(f"style='labels' is for language models; {name} is {row.task}")

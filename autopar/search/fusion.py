@@ -53,6 +53,7 @@ from autopar.passes.rules.fusion_match import Emit, Match, value_of
 from autopar.passes.rules.fusion_table import RULE_NAMES, find_matches
 from autopar.passes.rules.sharding import requires_grad_nodes
 from autopar.runtime.kernels import KERNELS
+from autopar.runtime.kernels._dispatch import SUPPORTED_DTYPES
 from autopar.runtime.kernels.cross_entropy import default_chunk_rows
 
 
@@ -133,7 +134,11 @@ def plan_fusions(gm: fx.GraphModule, hardware: Hardware | str = "h100-sxm", *,
             u, f, s = cost.match(m)
             unfused, fused, saved = unfused + u, fused + f, saved + s
         gain = unfused - fused
-        if hw.device.kind != "cuda":
+        dtypes = {v.dtype for m in ms for v in value_of(m.args) if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        unsupported = sorted(str(d).replace("torch.", "") for d in dtypes - set(SUPPORTED_DTYPES))
+        if unsupported:
+            applied, reason = False, f"the kernels take fp32, bf16 and fp16, not {', '.join(unsupported)}"
+        elif hw.device.kind != "cuda":
             applied, reason = False, (f"no Triton kernels on {hw.name} ({hw.device.kind}): the fused op "
                                       "would run its torch reference")
         elif gain > min_gain * unfused:

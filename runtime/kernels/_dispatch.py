@@ -33,6 +33,12 @@ DISPATCH_COUNTS: collections.Counter[tuple[str, str]] = collections.Counter()
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+def acc(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the torch references' accumulation dtype: fp32 for 16-bit and fp32 inputs, fp64
+    stays fp64 (a reference never computes below its input's precision)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
 _TRUE = ("1", "true", "yes", "on", "y")  # what triton.knobs accepts as a true env_bool
 _OFF = ("0", "off", "false", "no", "reference")
 _AUTO = ("", "auto", "1", "on", "true")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import as_rows, check_last_dim, check_same, load_kernels, use_triton
+from ._dispatch import acc, as_rows, check_last_dim, check_same, load_kernels, use_triton
 
 _GELU_ACT = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -32,16 +32,16 @@ def _check_approximate(op: str, approximate: str) -> str:
 
 
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (F.silu(a.float()) * b.float()).to(a.dtype)
+    return (F.silu(acc(a)) * acc(b)).to(a.dtype)
 
 
 def geglu_reference(a: torch.Tensor, b: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    return (F.gelu(a.float(), approximate=approximate) * b.float()).to(a.dtype)
+    return (F.gelu(acc(a), approximate=approximate) * acc(b)).to(a.dtype)
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor,
                         approximate: str = "none") -> torch.Tensor:
-    return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
+    return F.gelu(acc(x) + acc(bias), approximate=approximate).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------- autograd

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import as_rows, load_kernels, use_triton
+from ._dispatch import acc, as_rows, load_kernels, use_triton
 
 # ---------------------------------------------------------------------------- references
 
@@ -38,7 +38,7 @@ from ._dispatch import as_rows, load_kernels, use_triton
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor,
                             ignore_index: int = -100) -> torch.Tensor:
     V = logits.shape[-1]
-    return F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1),
+    return F.cross_entropy(acc(logits).reshape(-1, V), target.reshape(-1),
                            ignore_index=ignore_index)
 
 

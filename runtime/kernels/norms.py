@@ -13,27 +13,28 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import as_rows, check_last_dim, check_same, load_kernels, use_triton
+from ._dispatch import acc, as_rows, check_last_dim, check_same, load_kernels, use_triton
 
 # ---------------------------------------------------------------------------- references
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None = None,
                        eps: float = 1e-6) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32."""
-    xf = x.float()
+    """y = x / sqrt(mean(x^2, -1) + eps) * weight, computed in fp32 (fp64 for fp64)."""
+    xf = acc(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     return y.to(x.dtype)
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor | None = None,
                          bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim, computed in fp32."""
-    w = weight.float() if weight is not None else None
-    b = bias.float() if bias is not None else None
-    return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(x.dtype)
+    """y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim, computed in fp32 (fp64 for fp64)."""
+    xf = acc(x)
+    w = weight.to(xf.dtype) if weight is not None else None
+    b = bias.to(xf.dtype) if bias is not None else None
+    return torch.nn.functional.layer_norm(xf, x.shape[-1:], w, b, eps).to(x.dtype)
 
 
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import load_kernels, use_triton
+from ._dispatch import acc, load_kernels, use_triton
 
 LAYOUTS = ("bhtd", "bthd")
 
@@ -50,10 +50,10 @@ def _cos_sin_2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    layout: str = "bhtd") -> torch.Tensor:
     cos2, sin2 = _cos_sin_2d(x, cos, sin, layout)
-    c, s = cos2.detach().float(), sin2.detach().float()  # constants, as in the fused path
+    xf = acc(x)
+    c, s = cos2.detach().to(xf.dtype), sin2.detach().to(xf.dtype)  # constants, as in the fused path
     if layout == "bthd":  # (T, D) -> (T, 1, D): broadcast over heads
         c, s = c[:, None, :], s[:, None, :]
-    xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype)
 

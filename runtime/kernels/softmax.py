@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import as_rows, load_kernels, use_triton
+from ._dispatch import acc, as_rows, load_kernels, use_triton
 
 
 def softmax_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(x.float(), dim=-1).to(x.dtype)
+    return torch.softmax(acc(x), dim=-1).to(x.dtype)
 
 
 class _Softmax(torch.autograd.Function):

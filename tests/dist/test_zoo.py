@@ -6,7 +6,7 @@ a user brings it: capture -> plan -> run on gloo (4 processes) under each of the
 each against one process with the same seed and batches: the loss of every step, the global
 gradient norm of the first step and every parameter and buffer after 3 AdamW steps, with the
 tolerances in autopar/zoo_check.py (fp32: loss 1e-5, gradient norm 1e-5 relative, parameters
-1e-4; the ResNet rows run in fp64: 1e-6, 1e-9, 1e-7). Each mesh must also print its plan and
+1e-4; the ResNet rows and the breadth rows run in fp64: 1e-6, 1e-9, 1e-6). Each mesh must also print its plan and
 write its graph dump. Llama and BERT also train from a keyword batch with `labels` on the
 model's own loss, as transformers users write it.
 

@@ -192,3 +192,26 @@ def test_the_step_estimate_of_the_fused_graph_drops_by_the_predicted_saving():
     drop = estimate(gm, plan, "h100-sxm").summary()["step_s"] - estimate(fused, plan, "h100-sxm").summary()["step_s"]
     predicted = sum(r.saving_s for r in rows if r.applied)
     assert predicted > 0 and drop == pytest.approx(predicted, rel=0.05)
+
+
+def test_float64_graphs_are_not_fused_and_the_references_keep_float64():
+    """The Triton kernels take fp32 / bf16 / fp16: a float64 graph keeps its ops (found by the
+    zoo: GPT-NeoX in fp64 under a fused plan drifted by 1e-8 through fp32 references)."""
+    with torch.device("meta"):
+        model = GPT(MID).to(torch.float64)
+    gm = capture(model, (torch.empty(2, 1024, dtype=torch.long, device="meta"),))
+    fusions, rows = plan_fusions(gm, "h100-sxm")
+    assert fusions == [] and rows
+    assert all(not r.applied and "not float64" in r.reason for r in rows)
+    from autopar.runtime.kernels.activations import swiglu_reference
+    from autopar.runtime.kernels.norms import layer_norm_reference, rms_norm_reference
+    from autopar.runtime.kernels.softmax import softmax_reference
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(4, 16, dtype=torch.float64, generator=g) for _ in range(3))
+    F = torch.nn.functional
+    exact = dict(rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(rms_norm_reference(x, w[0], 1e-6), F.rms_norm(x, (16,), w[0], 1e-6), **exact)
+    torch.testing.assert_close(layer_norm_reference(x, w[0], b[0]), F.layer_norm(x, (16,), w[0], b[0]), **exact)
+    torch.testing.assert_close(swiglu_reference(x, w), F.silu(x) * w, **exact)
+    torch.testing.assert_close(softmax_reference(x), torch.softmax(x, -1), **exact)
