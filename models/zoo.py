@@ -65,7 +65,8 @@ def unavailable(library: str) -> str | None:
         if library == "timm":
             return ("timm is not installed: it imports torchvision, and PyPI has no CPU build of torchvision for "
                     "torch 2.13 (its wheel links libtorch_cuda.so / libc10_cuda.so, which the CPU torch lacks); "
-                    "installing it replaces the CPU torch. transformers' ResNet-50 row covers the architecture")
+                    "installing it replaces the CPU torch. It needs a torchvision build for the installed torch, not an autopar "
+                    "change; transformers' ResNet-50 row covers the architecture")
         return f"{library} is not installed (pip install {library}, constrained to the installed torch)"
     if library == "timm":
         try:
