@@ -25,6 +25,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from .mesh import device_mesh_with_timeout
+
 
 class RankUnresponsiveError(RuntimeError):
     """One or more ranks stopped answering; the message names them."""
@@ -32,23 +34,9 @@ class RankUnresponsiveError(RuntimeError):
 
 def bounded_device_mesh(sizes: Mapping[str, int], timeout_s: float, device_type: str = "cpu"):
     """A DeviceMesh over the running job (row-major over `sizes`) whose process groups time out
-    after `timeout_s` (collective: every rank calls it). Collectives on DeviceMesh groups
-    otherwise wait for torch's default of 30 minutes."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    names = tuple(sizes)
-    grid = torch.arange(dist.get_world_size()).reshape(tuple(sizes.values()))
-    td = datetime.timedelta(seconds=timeout_s)
-    me, groups = dist.get_rank(), []
-    for d in range(len(names)):
-        lines = grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
-        mine = None
-        for ranks in lines:  # new_group is collective: every rank creates every group, in order
-            g = dist.new_group(ranks, timeout=td, backend="gloo" if device_type == "cpu" else None)
-            if me in ranks:
-                mine = g
-        groups.append(mine)
-    return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
+    after `timeout_s` (collective: every rank calls it). Meshes built by autopar inherit the
+    default group's timeout already; this one sets its own."""
+    return device_mesh_with_timeout(sizes, datetime.timedelta(seconds=timeout_s), device_type)
 
 
 def init_restartable(backend: str | None = None, timeout_s: float = 600.0) -> None:

@@ -7,16 +7,20 @@ process group of this rank along an axis. Rank layout is row-major over the axes
 the last axis varies fastest (put `tp` last so that it stays inside a node).
 
 Guarantees: the product of the axis sizes equals the world size whenever a process group
-exists; axis names are unique; errors name the sizes and say how to fix them.
+exists; axis names are unique; errors name the sizes and say how to fix them; the axis groups
+time out as the job's default group does (torch's `new_group` would wait 30 minutes).
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from ._torch_compat import default_group_timeout
 
 # Canonical order when sizes are given as keywords: pipeline outermost, tensor innermost.
 AXIS_ORDER = ("pp", "dp", "ep", "cp", "tp")
@@ -87,10 +91,14 @@ class Mesh:
             if ws != self.world_size:
                 raise ValueError(f"{self} has {self.world_size} ranks but the job has world size {ws}; "
                                  f"choose axis sizes whose product is {ws}")
-            from torch.distributed.device_mesh import init_device_mesh
+            td = default_group_timeout(self.device_type)
+            if td is None:
+                from torch.distributed.device_mesh import init_device_mesh
 
-            self._device_mesh = init_device_mesh(self.device_type, tuple(self.sizes.values()),
-                                                 mesh_dim_names=self.axis_names)
+                self._device_mesh = init_device_mesh(self.device_type, tuple(self.sizes.values()),
+                                                     mesh_dim_names=self.axis_names)
+            else:  # the axis groups time out as the job's default group does
+                self._device_mesh = device_mesh_with_timeout(self.sizes, td, self.device_type)
         return self._device_mesh
 
     def group(self, axis: str):
@@ -110,6 +118,25 @@ class Mesh:
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
+
+
+def device_mesh_with_timeout(sizes: Mapping[str, int], timeout: datetime.timedelta, device_type: str = "cpu"):
+    """A DeviceMesh over the running job (row-major over `sizes`) whose process groups time out
+    after `timeout` (collective: every rank calls it, in the same order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = tuple(sizes)
+    grid = torch.arange(dist.get_world_size()).reshape(tuple(sizes.values()))
+    me, groups = dist.get_rank(), []
+    for d in range(len(names)):
+        lines = grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+        mine = None
+        for ranks in lines:  # new_group is collective: every rank creates every group, in order
+            g = dist.new_group(ranks, timeout=timeout, backend="gloo" if device_type == "cpu" else None)
+            if me in ranks:
+                mine = g
+        groups.append(mine)
+    return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
 
 
 def make_mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None,
