@@ -240,6 +240,70 @@ class Liveness:
     param_grads: float  # parameter gradient bytes allocated by the end of backward
 
 
+class GradBuffers:
+    """The backward pass's gradient memory, shared by `liveness` and `cost.timeline`:
+    reference-counted gradient buffers (a view, an add or a cast hands its output gradient on
+    to its input unchanged: no allocation) and the parameter gradients, each counted once
+    (all of them from the start when `grads_preallocated`, as in later micro-batches)."""
+
+    def __init__(self, gc: GraphCost, ev, param_grad_bytes: Mapping[Any, float] | None, grads_preallocated: bool):
+        self.ev = ev
+        self.pg = dict(param_grad_bytes or {})
+        self.preallocated = grads_preallocated
+        self.param_grads = 0.0
+        if grads_preallocated:
+            self.param_grads = sum(self.pg.values()) if self.pg else sum(p.nbytes for p in gc.params if p.requires_grad)
+        self.live = 0.0  # bytes of activation gradients alive
+        self._buf: dict[int, float] = {}
+        self._refs: dict[int, int] = {}
+        self._grads: dict[int, int] = {}  # id(TensorMeta) -> buffer id
+        self._seen_param: set[Any] = set()
+
+    def _alloc(self, nbytes: float) -> int:
+        b = len(self._buf) + 1
+        self._buf[b], self._refs[b] = nbytes, 1
+        self.live += nbytes
+        return b
+
+    def _unref(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            self.live -= self._buf[b]
+
+    def seed(self, outputs) -> None:
+        """The gradients of the graph's outputs: dense, as a loss such as cross-entropy gives."""
+        for t in outputs:
+            if t.rg:
+                self._grads[id(t)] = self._alloc(self.ev(t.nbytes))
+
+    def backward(self, n, observe) -> None:
+        """Node `n`'s backward: its output gradients go to its inputs; `observe(transient)` sees
+        the memory while both exist (transient: gradients accumulated into an existing one),
+        then `n`'s output gradients are dropped. Nothing when `n` receives no gradient."""
+        out_b = [self._grads.pop(id(t)) for t in n.outputs if id(t) in self._grads]
+        if not out_b:
+            return
+        through = n.kind == "view" or packet_name(n.op) in GRAD_PASSTHROUGH
+        out_numel = n.outputs[0].numel if n.outputs else None
+        transient = 0.0
+        for i, t in enumerate(n.grad_inputs):
+            if t.is_state:
+                if t.key not in self._seen_param:
+                    self._seen_param.add(t.key)
+                    if not self.preallocated:
+                        self.param_grads += self.pg.get(t.key, self.ev(t.nbytes))
+            elif id(t) in self._grads:  # accumulated into the existing gradient: a temporary
+                transient += self.ev(t.nbytes)
+            elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):
+                self._grads[id(t)] = out_b[0]
+                self._refs[out_b[0]] += 1
+            else:
+                self._grads[id(t)] = self._alloc(self.ev(t.nbytes))
+        observe(transient)
+        for b in out_b:
+            self._unref(b)
+
+
 def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, float] | None = None,
              grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None) -> Liveness:
     """Walk forward then backward and return the peak (see the module docstring).
@@ -286,79 +350,41 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
         free_at[last_use.get(key, st.producer)].append(key)
     inputs = sum(size[k] for k, st in gc.storages.items() if st.producer < 0 and not st.is_state)
 
-    pg_total = 0.0
-    pg = dict(param_grad_bytes or {})
-    if grads_preallocated:
-        pg_total = sum(pg.values()) if pg else sum(p.nbytes for p in gc.params if p.requires_grad)
+    gb = GradBuffers(gc, ev, param_grad_bytes, grads_preallocated)
     live = inputs
-    peak, peak_phase, peak_node = live + pg_total, "forward", "(inputs)"
+    peak, peak_phase, peak_node = live + gb.param_grads, "forward", "(inputs)"
     for n in gc.nodes:
         for k in n.new_storages:
             if k in size and gc.storages[k].producer == n.index:
                 live += size[k]
         for k in new_saved.get(n.index, ()):
             live += size[k]
-        if live + pg_total > peak:
-            peak, peak_phase, peak_node = live + pg_total, "forward", n.name
+        if live + gb.param_grads > peak:
+            peak, peak_phase, peak_node = live + gb.param_grads, "forward", n.name
         for k in free_at.get(n.index, ()):
             live -= size[k]
     saved_total = sum(size[k] for k in saved_until)
     outputs = sum(size.get(k, 0) for k in out_keys if k not in saved_until)
     forward_end = live
 
-    # backward: gradient buffers are reference-counted, because a view or an add hands its
-    # output gradient on to its input unchanged (no allocation)
-    buf: dict[int, float] = {}
-    refs: dict[int, int] = {}
-    grads: dict[int, int] = {}  # id(TensorMeta) -> buffer id
-
-    def alloc(nbytes: float) -> int:
-        nonlocal live
-        b = len(buf) + 1
-        buf[b], refs[b] = nbytes, 1
-        live += nbytes
-        return b
-
-    def unref(b: int) -> None:
-        nonlocal live
-        refs[b] -= 1
-        if refs[b] == 0:
-            live -= buf[b]
-
-    for t in gc.outputs:
-        if t.rg:
-            grads[id(t)] = alloc(ev(t.nbytes))  # a dense gradient, as a loss such as cross-entropy gives
+    # backward: activations still alive (live) + gradient buffers + parameter gradients
+    gb.seed(gc.outputs)
     live -= outputs  # the loss has been computed from the outputs; only saved ones stay
-    seen_param: set[Any] = set()
+
+    def observe(transient: float) -> None:
+        nonlocal peak, peak_phase, peak_node
+        a = live + gb.live + transient + gb.param_grads
+        if a > peak:
+            peak, peak_phase, peak_node = a, "backward", n.name
+
     for n in reversed(gc.nodes):
         if not n.has_grad_fn:
             continue
-        out_b = [grads.pop(id(t)) for t in n.outputs if id(t) in grads]
-        if out_b:
-            through = n.kind == "view" or packet_name(n.op) in GRAD_PASSTHROUGH
-            out_numel = n.outputs[0].numel if n.outputs else None
-            transient = 0.0
-            for i, t in enumerate(n.grad_inputs):
-                if t.is_state:
-                    if t.key not in seen_param:
-                        seen_param.add(t.key)
-                        if not grads_preallocated:
-                            pg_total += pg.get(t.key, ev(t.nbytes))
-                elif id(t) in grads:  # accumulated into the existing gradient: a temporary
-                    transient += ev(t.nbytes)
-                elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):
-                    grads[id(t)] = out_b[0]
-                    refs[out_b[0]] += 1
-                else:
-                    grads[id(t)] = alloc(ev(t.nbytes))
-            if live + transient + pg_total > peak:
-                peak, peak_phase, peak_node = live + transient + pg_total, "backward", n.name
-            for b in out_b:
-                unref(b)
+        gb.backward(n, observe)
         for key, _nb, _tag in n.saved:
             st = gc.storages.get(key)
             if saved_until.get(key) == n.index and not (st is not None and st.producer < 0):
                 live -= size[key]
                 saved_until[key] = -1
     return Liveness(inputs=inputs, saved=saved_total, outputs=outputs, peak=peak, peak_phase=peak_phase,
-                    peak_node=peak_node, forward_end=forward_end, param_grads=pg_total)
+                    peak_node=peak_node, forward_end=forward_end, param_grads=gb.param_grads)

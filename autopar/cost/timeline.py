@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .graph import GraphCost
-from .memory import GRAD_PASSTHROUGH
+from .memory import GradBuffers
 from .ops import packet_name
 from .symbolic import evaluate
 
@@ -212,8 +212,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     alive: dict[Any, str] = {}  # key -> "held" | "re" | "other"
     parts = {"held": 0.0, "re": 0.0, "other": 0.0}
     seg_held = [0.0] * n_seg
-    grads_live = 0.0
-    pg_total = 0.0
+    gb = GradBuffers(gc, ev, param_grad_bytes, grads_preallocated)
     points: list[Point] = []
     peak = [-1.0, "forward", "(inputs)"]
 
@@ -236,12 +235,12 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
             seg_held[owner[k]] -= b
 
     def total() -> float:
-        return parts["held"] + parts["re"] + parts["other"] + grads_live
+        return parts["held"] + parts["re"] + parts["other"] + gb.live
 
     work = [[0.0] * n_seg, [0.0] * n_seg]  # forward, recompute + backward
 
     def point(phase: str, name: str, i: int, transient: float = 0.0) -> None:
-        a = total() + transient + pg_total
+        a = total() + transient + gb.param_grads
         s = seg_at(i)
         if segment_of is not None:
             w = a - sum(seg_held[:s])
@@ -252,7 +251,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
             peak[0], peak[1], peak[2] = a, phase, name
         if keep_points:
             points.append(Point(phase, name, s, a, parts["held"], parts["re"], parts["other"],
-                                grads_live + transient, pg_total))
+                                gb.live + transient, gb.param_grads))
 
     # --- forward
     for k in graph_inputs:
@@ -263,9 +262,6 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         if st.is_state or k in holds or st.producer < 0:
             continue
         free_at[last_use.get(k, st.producer)].append(k)
-    pg = dict(param_grad_bytes or {})
-    if grads_preallocated:
-        pg_total = sum(pg.values()) if pg else sum(p.nbytes for p in gc.params if p.requires_grad)
     point("forward", "(inputs)", 0)
     for n in nodes:
         i = n.index
@@ -296,32 +292,12 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
             free(k)
 
     # --- backward
-    buf: dict[int, float] = {}
-    refs: dict[int, int] = {}
-    grads: dict[int, int] = {}
-
-    def galloc(nbytes: float) -> int:
-        nonlocal grads_live
-        b = len(buf) + 1
-        buf[b], refs[b] = nbytes, 1
-        grads_live += nbytes
-        return b
-
-    def unref(b: int) -> None:
-        nonlocal grads_live
-        refs[b] -= 1
-        if refs[b] == 0:
-            grads_live -= buf[b]
-
-    for t in gc.outputs:
-        if t.rg:
-            grads[id(t)] = galloc(ev(t.nbytes))
+    gb.seed(gc.outputs)
     for k in release_at.get(n_nodes, ()):
         release(k)
     re_flops = re_s = 0.0
     re_nodes = 0
     timer = None
-    seen_param: set[Any] = set()
     re_release: dict[int, list[Any]] = defaultdict(list)
     for n in reversed(nodes):
         i = n.index
@@ -333,27 +309,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
                                    point, count, re_release, ev, timer)
             re_flops, re_s, re_nodes = re_flops + f, re_s + s_, re_nodes + k_
         if n.has_grad_fn:
-            out_b = [grads.pop(id(t)) for t in n.outputs if id(t) in grads]
-            if out_b:
-                through = n.kind == "view" or packet_name(n.op) in GRAD_PASSTHROUGH
-                out_numel = n.outputs[0].numel if n.outputs else None
-                transient = 0.0
-                for j, t in enumerate(n.grad_inputs):
-                    if t.is_state:
-                        if t.key not in seen_param:
-                            seen_param.add(t.key)
-                            if not grads_preallocated:
-                                pg_total += pg.get(t.key, ev(t.nbytes))
-                    elif id(t) in grads:
-                        transient += ev(t.nbytes)
-                    elif through and t.numel == out_numel and (j == 0 or not n.op.startswith("aten.sub")):
-                        grads[id(t)] = out_b[0]
-                        refs[out_b[0]] += 1
-                    else:
-                        grads[id(t)] = galloc(ev(t.nbytes))
-                point("backward", n.name, i, transient)
-                for b in out_b:
-                    unref(b)
+            gb.backward(n, lambda transient: point("backward", n.name, i, transient))  # noqa: B023 - called now
         for k in re_release.pop(i, ()):
             release(k)
         for k in release_at.get(i, ()):
@@ -362,7 +318,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     if segment_of is not None:
         segments = [SegmentUse(held_at_end[s], work[0][s], work[1][s]) for s in range(n_seg)]
     return Timeline(points=points, peak=peak[0], peak_phase=peak[1], peak_node=peak[2], inputs=inputs_bytes,
-                    saved=saved, saved_by=saved_by, outputs=outputs, forward_end=forward_end, param_grads=pg_total,
+                    saved=saved, saved_by=saved_by, outputs=outputs, forward_end=forward_end, param_grads=gb.param_grads,
                     recompute_flops=re_flops, recompute_s=re_s, recomputed_nodes=re_nodes,
                     segments=segments)
 
