@@ -98,27 +98,17 @@ def expert(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+def _inserted(n: fx.Node) -> bool:
+    """A node an earlier pass inserted (collectives, tp ops): not in the captured graph."""
+    i = ir.get_info(n)
+    return getattr(n.target, "namespace", "") == "autopar" or (i is not None and i.kind == "collective") \
+        or getattr(n.target, "__module__", "") == "autopar.runtime.tp_ops"
+
+
 def _keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """`ir.node_keys`, skipping nodes that earlier passes inserted (collectives, tp ops), so a
-    key from the captured graph names the same node after `shard`."""
-    keys, count, n_in = {}, {}, 0
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            keys[n] = f"input:{n_in}"
-            n_in += 1
-        elif n.op == "get_attr":
-            keys[n] = str(n.target)
-        elif n.op == "call_function":
-            i = ir.get_info(n)
-            if getattr(n.target, "namespace", "") == "autopar" or (i is not None and i.kind == "collective") \
-                    or getattr(n.target, "__module__", "") == "autopar.runtime.tp_ops":
-                continue
-            short = ir._short_op(n.target)
-            mod = i.module if i is not None else ir.module_path(n)
-            k = count.get((mod, short), 0)
-            count[(mod, short)] = k + 1
-            keys[n] = f"{mod}:{short}#{k}"
-    return keys
+    """`ir.node_keys` without the nodes earlier passes inserted, so a key from the captured
+    graph names the same node after `shard`."""
+    return ir.node_keys(gm, skip=_inserted)
 
 
 def _block_keys(b: dict) -> list[str]:

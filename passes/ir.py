@@ -159,16 +159,19 @@ def unannotated_ops(gm: fx.GraphModule) -> list[str]:
     return [n.format_node() for n in gm.graph.nodes if KEY not in n.meta]
 
 
-def node_keys(gm: fx.GraphModule) -> dict[fx.Node, str]:
+def node_keys(gm: fx.GraphModule, skip=None) -> dict[fx.Node, str]:
     """Stable names for a graph's nodes, the same across captures of one model (fx node
     names are not): parameters and buffers by their name, inputs by position
     (`input:<i>`), the output as `output`, and every call as `<module path>:<op>#<k>` (the
     k-th call of that op in that module, in graph order) — the convention of the Plan's
-    `node_layouts` and of the cost model's NodeCost.key."""
+    `node_layouts` and of the cost model's NodeCost.key. `skip(node)`: calls that get no key
+    and are not counted (nodes a pass inserted), so the other keys stay those of the capture."""
     keys: dict[fx.Node, str] = {}
     count: dict[tuple[str, str], int] = {}
     n_in = 0
     for n in gm.graph.nodes:
+        if skip is not None and n.op == "call_function" and skip(n):
+            continue
         if n.op == "placeholder":
             keys[n] = f"input:{n_in}"
             n_in += 1
