@@ -43,6 +43,7 @@ from .mesh import Mesh
 from .pipeline import PipelineExecutor
 from .schedules import Schedule, make_schedule
 from .zero import broadcast_module, make_engine
+from .zero_engine import local_norm_parts, reduce_norm_parts
 
 __all__ = ["PipelineProgram", "PipelineEngines", "PipelineOptimizer"]
 
@@ -381,21 +382,9 @@ class PipelineEngines:
                     parts.setdefault(live(e.model_parallel.get(sl.name, ())), []).append(g)
         dev = self.mesh.device
         acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        if inf:
-            t = torch.stack([max((g.detach().abs().max().to(dev, acc) for g in parts.get(k, []) if g.numel()),
-                                 default=torch.zeros((), device=dev, dtype=acc)) for k in keys])
-        else:
-            t = torch.stack([sum((g.detach().to(acc).abs().pow(norm_type).sum().to(dev) for g in parts.get(k, [])),
-                                 torch.zeros((), device=dev, dtype=acc)) for k in keys])
-        if any(e.stage >= 1 and e.k > 1 for e in self.engines.values()):
-            C.all_reduce_(t, self.dp_axis, "max" if inf else "sum")
-        out = [t[0]]
-        for i, key in enumerate(keys[1:], start=1):  # each part reduced over the axes that shard it
-            part = t[i:i + 1].clone()
-            for a in key:
-                C.all_reduce_(part, a, "max" if inf else "sum")
-            out.append(part[0])
-        t = (torch.stack(out).max() if inf else torch.stack(out).sum()).reshape(1)
+        sharded = any(e.stage >= 1 and e.k > 1 for e in self.engines.values())
+        t = local_norm_parts(parts, keys, norm_type, acc, dev)
+        t = reduce_norm_parts(t, keys, inf, self.dp_axis if sharded else None).reshape(1)  # this stage's
         if self.mesh.size(self.pp_axis) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.mesh.group(self.pp_axis))
             C.COUNTER.record("all_reduce", self.pp_axis, t.numel() * t.element_size())

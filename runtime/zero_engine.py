@@ -27,6 +27,37 @@ from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
 
+
+def local_norm_parts(parts: Mapping[tuple[str, ...], list[torch.Tensor]], keys: list[tuple[str, ...]],
+                     norm_type: float, acc: torch.dtype, device) -> torch.Tensor:
+    """One entry per key of `keys`: sum of |g|^p (max |g| for p = inf) over this rank's
+    gradients whose model-parallel axes are that key."""
+    inf = norm_type == float("inf")
+    zero = torch.zeros((), device=device, dtype=acc)
+    if inf:
+        return torch.stack([max((g.detach().abs().max().to(device, acc) for g in parts.get(k, []) if g.numel()),
+                                default=zero) for k in keys])
+    return torch.stack([sum((g.detach().to(acc).abs().pow(norm_type).sum().to(device) for g in parts.get(k, [])),
+                            zero) for k in keys])
+
+
+def reduce_norm_parts(t: torch.Tensor, keys: list[tuple[str, ...]], inf: bool,
+                      sharded_axis: str | None = None) -> torch.Tensor:
+    """`local_norm_parts` of every rank combined: each part reduced over `sharded_axis` (ZeRO
+    rows) and over the axes that shard it, then the parts summed (the max for p = inf): the
+    norm to the power p, or the max norm."""
+    op = "max" if inf else "sum"
+    if sharded_axis is not None:
+        C.all_reduce_(t, sharded_axis, op)
+    out = [t[0]]
+    for i, key in enumerate(keys[1:], start=1):
+        part = t[i:i + 1].clone()
+        for a in key:
+            C.all_reduce_(part, a, op)
+        out.append(part[0])
+    s = torch.stack(out)
+    return s.max() if inf else s.sum()
+
 @dataclass
 class _Slot:
     name: str
@@ -266,46 +297,24 @@ class EngineBase:
         if not self._grads_ready:
             self.finish_backward()
         norm_type = float(norm_type)
-        groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
-        for sl in self.slots:
-            if sl.master.grad is not None:
-                groups.setdefault(self.model_parallel.get(sl.name, ()), []).append(sl.master.grad)
-        grads = [g for gs in groups.values() for g in gs]
-        dev = grads[0].device if grads else self.device
-        sharded = self.stage >= 1 and self.k > 1
-        # one part per distinct set of model-parallel axes, taken from the (rank-independent)
-        # model_parallel map so that every rank makes the same reductions in the same order
+
         def live(axes):
             return tuple(a for a in axes if self.mesh.size(a) > 1)
 
+        parts: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        for sl in self.slots:
+            if sl.master.grad is not None:
+                parts.setdefault(live(self.model_parallel.get(sl.name, ())), []).append(sl.master.grad)
+        grads = [g for gs in parts.values() for g in gs]
+        dev = grads[0].device if grads else self.device
+        # one part per distinct set of model-parallel axes, taken from the (rank-independent)
+        # model_parallel map so that every rank makes the same reductions in the same order
         keys = [()] + sorted({live(v) for v in self.model_parallel.values()} - {()})
-        mp_axes = sorted({a for k in keys for a in k})
         acc = torch.float64 if any(sl.master.dtype == torch.float64 for sl in self.slots) else torch.float32
-        if norm_type == float("inf"):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max().float() if grads else \
-                torch.zeros((), device=dev)
-            t = local.reshape(1).to(self.device)
-            if sharded:
-                C.all_reduce_(t, self.axis, "max")
-            for a in mp_axes:
-                C.all_reduce_(t, a, "max")
-            total = t[0].to(dev)
-        else:
-            parts = []
-            for key in keys:
-                gs = [g for axes, lst in groups.items() for g in lst if live(axes) == key]
-                parts.append(sum((g.to(acc).abs().pow(norm_type).sum() for g in gs),
-                                 torch.zeros((), device=dev, dtype=acc)))
-            t = torch.stack(parts).to(self.device)
-            if sharded:
-                C.all_reduce_(t, self.axis, "sum")
-            out = [t[0]]
-            for i, key in enumerate(keys[1:], start=1):  # each part summed over the axes that shard it
-                part = t[i:i + 1].clone()
-                for a in key:
-                    C.all_reduce_(part, a, "sum")
-                out.append(part[0])
-            total = torch.stack(out).sum().to(dev).pow(1.0 / norm_type)
+        t = local_norm_parts(parts, keys, norm_type, acc, self.device)
+        inf = norm_type == float("inf")
+        total = reduce_norm_parts(t, keys, inf, self.axis if self.stage >= 1 and self.k > 1 else None)
+        total = (total if inf else total.pow(1.0 / norm_type)).to(dev)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device, g.dtype))
