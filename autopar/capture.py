@@ -27,7 +27,7 @@ The result is normalised to one form whatever the path:
 from __future__ import annotations
 
 import contextlib
-
+import os
 import time
 import traceback
 import warnings
@@ -212,11 +212,29 @@ def _plain_graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
 
 # --- errors ------------------------------------------------------------------------------
+def library_dirs() -> tuple[str, ...]:
+    """The real directories of autopar's own packages and of torch: a frame from a file under
+    one of them is the toolkit's, not the user's. Decided by where the modules were loaded
+    from, never by a substring of the path: a user's clone is itself a folder named autopar."""
+    import autopar  # noqa: PLC0415
+    from autopar import passes, runtime  # noqa: PLC0415
+
+    return tuple(os.path.realpath(os.path.dirname(m.__file__)) for m in (autopar, passes, runtime, torch))
+
+
+def is_library_file(filename: str, dirs: Sequence[str] | None = None) -> bool:
+    """True when `filename` lies inside autopar's or torch's package directories."""
+    if filename.startswith("<"):  # <string>, <frozen ...>: no file, so not ours
+        return False
+    real = os.path.realpath(filename)
+    return any(os.path.commonpath((real, d)) == d for d in (dirs or library_dirs()))
+
+
 def _summarise(e: BaseException) -> str:
     """One paragraph: the exception and the user-code frame nearest to it."""
     tb = traceback.extract_tb(e.__traceback__)
-    user = [f for f in tb if "site-packages/torch" not in f.filename and "/autopar/" not in f.filename
-            and "/passes/" not in f.filename]
+    dirs = library_dirs()
+    user = [f for f in tb if not is_library_file(f.filename, dirs)]
     where = f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].name}: {user[-1].line})" if user else ""
     msg = str(e).strip().splitlines()
     head = " ".join(msg[:3])[:600] if msg else type(e).__name__

@@ -84,6 +84,52 @@ def test_untraceable_module_error_names_the_module_and_suggests_leaf_modules():
     assert "'block'" in msg and "leaf_modules=['block']" in msg and "x.sum() > 0" in msg
 
 
+_USER_MODEL = """
+import torch.nn as nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return x
+
+
+class Host(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = Branchy()
+
+    def forward(self, x):
+        return self.block(self.pre(x))
+"""
+
+
+def test_user_code_inside_a_folder_named_autopar_is_still_named_in_the_error(tmp_path, monkeypatch):
+    # a clone of this repository is a folder named autopar: the user's frames must not be taken
+    # for the toolkit's just because their path contains "/autopar/" or "/passes/"
+    folder = tmp_path / "autopar" / "passes"
+    folder.mkdir(parents=True)
+    (folder / "user_model_in_autopar_dir.py").write_text(_USER_MODEL)
+    monkeypatch.syspath_prepend(str(folder))
+    import user_model_in_autopar_dir as um
+
+    from autopar.capture import is_library_file
+
+    assert not is_library_file(um.__file__)
+    assert is_library_file(autopar.capture.__code__.co_filename) and is_library_file(torch.__file__)
+    with pytest.raises(autopar.CaptureError) as e:
+        autopar.capture(um.Host(), (torch.randn(4, 8),))
+    msg = str(e.value)
+    assert "'block'" in msg and "leaf_modules=['block']" in msg and "x.sum() > 0" in msg
+    assert "user_model_in_autopar_dir.py" in msg
+
+
 def test_leaf_module_becomes_one_opaque_node_that_still_trains():
     torch.manual_seed(0)
     m = _Host()
