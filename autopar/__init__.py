@@ -6,10 +6,12 @@
     loss = model.step((tokens, targets), loss_fn); opt.step(); opt.zero_grad()
 """
 from autopar.api import ParallelModel, mesh, optimizer, parallelize, sampler
+from autopar.build.materialize import ModuleInit
 from autopar.capture import CaptureError, capture
 from autopar.passes.plan import Plan
 
-__all__ = ["mesh", "parallelize", "optimizer", "sampler", "capture", "CaptureError", "Plan", "ParallelModel"]
+__all__ = ["mesh", "parallelize", "optimizer", "sampler", "capture", "CaptureError", "Plan", "ParallelModel",
+           "ModuleInit"]
 __version__ = "0.1.0"
 from autopar.checkpoint_api import (CheckpointError, RankUnresponsiveError, bounded_mesh, export_state_dict,  # noqa: E402
                                     fault_guard, import_state_dict, init_restartable, latest_checkpoint, load, save,

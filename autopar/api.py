@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from autopar.runtime._torch_compat import pytree
 
+from autopar.build.materialize import has_meta_tensors, materialize
+from autopar.build.model_tensors import model_tensors
 from autopar.capture import capture
 from autopar.passes import ir
 from autopar.passes.dump import write_graph
@@ -26,6 +28,7 @@ from autopar.passes.expert import expert
 from autopar.passes.fuse import fuse
 from autopar.passes.plan import Plan
 from autopar.passes.recompute import recompute
+from autopar.passes.retarget_device import retarget_device
 from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
 from autopar.passes.sync_batchnorm import sync_batchnorm
@@ -119,7 +122,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                 pins: dict | None = None, zero_stage: int | None = None, bucket_mb: float | None = None,
                 n_microbatches: int | None = None, leaf_modules: Iterable[str] = (),
                 dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None,
-                memory_budget: float | int | None = None, memory_limit: float | None = None) -> ParallelModel:
+                memory_budget: float | int | None = None, memory_limit: float | None = None,
+                weights: Any = None, strict_weights: bool = True) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -141,6 +145,14 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             bytes; decides `plan.recompute` unless that is pinned.
         memory_limit: bytes per device for the joint planner (used with a mesh given only by its
             world size, `autopar.mesh(world_size=N)`); default 90 % of the hardware's memory.
+        weights: where the values come from. The model may be built on the meta device
+            (`with torch.device("meta"): model = build()`): each rank then allocates only what
+            its plan keeps and fills it from `weights`: a `.safetensors` file, a Hugging Face
+            checkpoint directory, a `.pt` file or a state dict (each rank reads only its
+            slices), or `autopar.ModuleInit(seed)` — the default for a meta model — the modules'
+            own initialization, equal to one process's `torch.manual_seed(seed); build()`.
+            Given with a real model, the source overwrites its values.
+        strict_weights: a parameter the source lacks is an error (False: keep its value).
     """
     if mesh is None:
         mesh = make_mesh()
@@ -149,9 +161,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise ValueError(f"{mesh} has {mesh.world_size} ranks but the job has world size "
                          f"{dist.get_world_size()}; choose axis sizes whose product is {dist.get_world_size()}")
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("the model's parameters are on the meta device; parallelize needs real weights "
-                         "(plan and dump work on meta models: use autopar.capture / the CLI's `plan`)")
+    on_meta = has_meta_tensors(model)
+    if on_meta:
+        sync_init = False  # every rank fills its own pieces from the same source: nothing to broadcast
     fusions_pinned = plan is not None or "fusions" in (pins or {})
     kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}  # model(**batch), as in HF
     args = () if kwargs else tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -200,8 +212,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         static = _batch_is_static(global_gm)
         _search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
                         1 if static else dp * plan.n_microbatches)
-    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, expert, sync_batchnorm, zero, fuse], dump_dir=dump_dir)
+    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
+                      options={"device": mesh.device})
+    pm = PassManager([retarget_device, split_batch, shard, expert, sync_batchnorm, zero, fuse], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
         from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
@@ -247,6 +260,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                           in_spec=global_gm.meta.get("autopar_in_spec"),
                           out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
                           engine_options=engine_options)
+    if on_meta or weights is not None:
+        report = materialize(program.engine, mesh, model, weights, **model_tensors(global_gm, plan),
+                             strict=strict_weights)
+        plan.notes.append(report.note())
     pmodel = ParallelModel(program, plan, local_gm, global_gm, records, global_gm.meta.get("autopar_capture", {}))
     pmodel.__dict__["stage_graphs"] = stage_graphs
     return pmodel

@@ -139,6 +139,24 @@ def _params(engine, mesh, layouts, global_shapes) -> list[_Param]:
     return out
 
 
+def held_pieces(engine, mesh, layouts: Mapping[str, Any], global_shapes: Mapping[str, Sequence[int]]
+                ) -> list[tuple[list[str], torch.Tensor, tuple[int, ...], tuple[tuple[str, int], ...]]]:
+    """Every tensor this rank holds, as (names, local tensor, global shape, cuts): the pieces
+    of parameters that the checkpoint reads and writes (names: the slot's, then its aliases)
+    and every buffer of the program's modules, non-persistent ones included (RoPE tables are
+    state a model built on meta must have computed before its first step)."""
+    out = [(p.names, p.tensor, p.global_shape, p.cuts) for p in _params(engine, mesh, layouts, global_shapes)
+           if p.tensor is not None]
+    for e in engines_of(engine):
+        pnames = {n for s in e.slots for n in [s.name, *s.aliases]}
+        for name, b in e.module.named_buffers(remove_duplicate=False):
+            if name in pnames or b is None:
+                continue
+            tp = _tp_cuts(_layout(layouts, [name]), mesh, name)
+            out.append(([name], b, _shape_of(global_shapes, [name], b.shape, tp), tp))
+    return out
+
+
 def _check_piece(p: _Param, mesh, coords) -> None:
     if p.tensor is None or not p.global_shape:
         return

@@ -158,6 +158,16 @@ class EngineBase:
             raise ValueError(f"{type(self.module).__name__} has no parameters to train")
         return list(seen.values())
 
+    def _replace_param(self, name: str, aliases: list[str], p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+        """A meta parameter cannot take real data in place (`p.data = ...` refuses the change
+        of tensor type): a new Parameter replaces it under every name it has."""
+        new = nn.Parameter(data, requires_grad=p.requires_grad)
+        for n in [name, *aliases]:
+            prefix, _, attr = n.rpartition(".")
+            owner = self.module.get_submodule(prefix) if prefix else self.module
+            owner._parameters[attr] = new
+        return new
+
     def _master_dtype(self, p: torch.Tensor) -> torch.dtype:
         return torch.float32 if self.mixed else p.dtype
 
@@ -455,7 +465,7 @@ class ReplicatedEngine(EngineBase):
             if p.is_meta:
                 full = self._initial_rows(name, p, info, 0, info.rows)
                 data = torch.empty(p.shape, dtype=p.dtype, device=self.device) if full is None else full.to(self.device, p.dtype).reshape(p.shape)
-                p.data = data
+                p = self._replace_param(name, aliases, p, data)
             separate = self.mixed or self.offload
             if separate:
                 mdev = self.master_device or p.device
