@@ -23,7 +23,6 @@ It reads and writes no `node.meta` keys.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import io
 import json
@@ -36,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
+from .mesh import host_group
+
 FORMAT = "autopar-checkpoint/1"
 MANIFEST = "autopar_manifest.json"
 PLAN_FILE = "plan.json"
@@ -47,19 +48,10 @@ class CheckpointError(ValueError):
 
 
 # --- the checkpoint group ------------------------------------------------------------------------
-_GROUP: dict = {}
-
-
 def ckpt_group(timeout_s: float | None = None):
-    """The gloo group DCP talks over (its own, so a background save never interleaves with the
-    training's collectives)."""
-    if not dist.is_initialized():
-        return None
-    world = dist.group.WORLD
-    if _GROUP.get("world") is not world:
-        kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-        _GROUP.update(world=world, group=dist.new_group(backend="gloo", **kw))
-    return _GROUP["group"]
+    """The gloo group DCP talks over (a host group of its own, so a background save never
+    interleaves with the training's collectives)."""
+    return host_group("checkpoint", timeout_s)
 
 
 def rank() -> int:
@@ -284,41 +276,153 @@ def write_state_dict(sd: Mapping[str, torch.Tensor], path: str, metadata: Mappin
     return path
 
 
+# --- plain state dicts: safetensors files read slice by slice ----------------------------------
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+}  # safetensors' dtype names (the format's spec) -> torch
+_MAX_HEADER = 100_000_000  # safetensors refuses larger headers too
+
+
+def read_safetensors_header(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of the safetensors file at `path`, from its header alone, after
+    checking that the file holds every byte the header names: ValueError naming the file when
+    it is truncated, has trailing bytes, or its header is not valid safetensors."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            raw = f.read(n) if 0 <= n <= min(size - 8, _MAX_HEADER) else b""
+    except OSError as e:
+        raise OSError(e.errno, f"cannot read the safetensors file {path!r}: {e.strerror}", path) from None
+    if n < 0 or n > size - 8:
+        raise ValueError(f"{path!r} is truncated: {size} bytes, too few for the safetensors header its first 8 bytes "
+                         "announce; the file was cut short (an interrupted download or copy): fetch or save it again")
+    if n > _MAX_HEADER:
+        raise ValueError(f"{path!r} announces a {n}-byte header (safetensors allows {_MAX_HEADER}); it is damaged or "
+                         "not a safetensors file")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+        out, end = {}, 0
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = SAFETENSORS_DTYPES.get(e["dtype"])
+            if dtype is None:
+                raise ValueError(f"{name!r} has dtype {e['dtype']!r}, which torch cannot hold")
+            shape = tuple(int(d) for d in e["shape"])
+            begin, stop = (int(o) for o in e["data_offsets"])
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            if stop - begin != nbytes or begin < 0:
+                raise ValueError(f"{name!r} spans bytes [{begin}, {stop}) but shape {list(shape)} of {e['dtype']} "
+                                 f"takes {nbytes}")
+            out[name], end = (shape, dtype), max(end, stop)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path!r} has a corrupt safetensors header ({type(e).__name__}: {e}); the file is damaged: "
+                         "fetch or save it again") from None
+    want = 8 + n + end
+    if size < want:
+        raise ValueError(f"{path!r} is truncated: {size} bytes, but its header places tensor data up to byte {want}; "
+                         "the file was cut short (an interrupted download or copy): fetch or save it again")
+    if size > want:
+        raise ValueError(f"{path!r} has {size - want} bytes after the last tensor its header names ({size} bytes, "
+                         f"{want} expected); it was overwritten or appended to: fetch or save it again")
+    return out
+
+
 class StateSource:
     """A plain state dict to import from, read piece by piece: a mapping name -> tensor, a
-    `.safetensors` file, a directory of them (transformers' sharded checkpoints), or a
-    `.pt`/`.bin` file (memory-mapped, weights_only). Only the requested slices are read."""
+    `.safetensors` file, a directory of them (transformers' checkpoints: when a
+    `*.safetensors.index.json` is there, its weight_map says which file holds which tensor),
+    or a `.pt`/`.bin` file (memory-mapped, weights_only). Safetensors files are checked
+    against their headers when opened (truncation, corruption: ValueError naming the file);
+    only the requested slices are read, through safetensors' `get_slice`."""
 
     def __init__(self, source: Any):
         self._map: Mapping[str, Any] | None = None
         self._files: dict[str, str] = {}
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._handles: dict[str, Any] = {}
+        self.path: str | None = None
         if isinstance(source, Mapping):
             self._map = source
             return
-        path = os.path.abspath(str(source))
+        path = self.path = os.path.abspath(os.fspath(source))
         if os.path.isdir(path):
-            shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not shards:
-                raise ValueError(f"{path!r} has no .safetensors files; give a file, a directory of safetensors "
-                                 "shards, or a state dict")
-            for f in shards:
-                for k in self._open(os.path.join(path, f)).keys():
-                    self._files[k] = os.path.join(path, f)
-        elif path.endswith(".safetensors"):
-            for k in self._open(path).keys():
-                self._files[k] = path
+            self._open_dir(path)
+        elif path.endswith(".safetensors") and os.path.isfile(path):
+            self._add_file(path, None)
         elif os.path.isfile(path):
             self._map = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         else:
             raise ValueError(f"there is no state dict at {path!r}")
 
+    def _open_dir(self, path: str) -> None:
+        try:
+            listing = sorted(os.listdir(path))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot read the weights directory {path!r}: {e.strerror}", path) from None
+        indexes = [f for f in listing if f.endswith(".safetensors.index.json")]
+        if len(indexes) > 1 and "model.safetensors.index.json" in indexes:
+            indexes = ["model.safetensors.index.json"]
+        if len(indexes) > 1:
+            raise ValueError(f"{path!r} has several safetensors indexes {indexes}; give the one to read by moving "
+                             "the others away")
+        if indexes:
+            index = os.path.join(path, indexes[0])
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                by_file: dict[str, list[str]] = {}
+                for name, rel in weight_map.items():
+                    by_file.setdefault(str(rel), []).append(str(name))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{index!r} is not a readable safetensors index ({type(e).__name__}: {e})") from None
+            for rel, names in sorted(by_file.items()):
+                fp = os.path.join(path, rel)
+                if not os.path.isfile(fp):
+                    raise ValueError(f"{index!r} maps {len(names)} tensors (e.g. {names[0]!r}) to the shard {rel!r}, "
+                                     f"but {fp!r} does not exist; the checkpoint is incomplete: copy the missing shard")
+                self._add_file(fp, names, index)
+            return
+        shards = [f for f in listing if f.endswith(".safetensors")]
+        if not shards:
+            raise ValueError(f"{path!r} has no .safetensors files; give a file, a directory of safetensors "
+                             "shards, or a state dict")
+        for f in shards:
+            self._add_file(os.path.join(path, f), None)
+
+    def _add_file(self, fp: str, names: Sequence[str] | None, index: str | None = None) -> None:
+        header = read_safetensors_header(fp)
+        if names is not None:
+            lacking = [n for n in names if n not in header]
+            if lacking:
+                raise ValueError(f"{index!r} maps {lacking[:5]} to {fp!r}, which does not hold them; the index and "
+                                 "the shards are from different saves")
+        for name in (names if names is not None else header):
+            if name in self._files:
+                raise ValueError(f"{name!r} is in both {self._files[name]!r} and {fp!r}; the directory mixes two "
+                                 "checkpoints: keep one")
+            self._files[name], self._meta[name] = fp, header[name]
+
     def _open(self, f: str):
         if f not in self._handles:
             from safetensors import safe_open
 
-            self._handles[f] = safe_open(f, framework="pt")
+            try:
+                self._handles[f] = safe_open(f, framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+                raise ValueError(f"safetensors cannot open {f!r}: {e}") from None
         return self._handles[f]
+
+    def names(self) -> list[str]:
+        """Every tensor name the source holds."""
+        return list(self._map) if self._map is not None else list(self._files)
 
     def __contains__(self, name: str) -> bool:
         return name in self._map if self._map is not None else name in self._files
@@ -326,12 +430,27 @@ class StateSource:
     def shape(self, name: str) -> tuple[int, ...]:
         if self._map is not None:
             return tuple(self._map[name].shape)
-        return tuple(self._open(self._files[name]).get_slice(name).get_shape())
+        return self._meta[name][0]
 
-    def read(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    def dtype(self, name: str) -> torch.dtype:
+        if self._map is not None:
+            return self._map[name].dtype
+        return self._meta[name][1]
+
+    def read(self, name: str, offset: Sequence[int], shape: Sequence[int], dtype: torch.dtype | None = None
+             ) -> torch.Tensor:
+        """The piece of `name` at `offset` of size `shape` (a new CPU tensor in `dtype` when
+        given; from a mapping without `dtype`, a view of the given tensor)."""
+        full = self.shape(name)
+        if len(offset) != len(full) or len(shape) != len(full) or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(offset, shape, full)):
+            raise ValueError(f"cannot read a piece of shape {tuple(shape)} at offset {tuple(offset)} of {name!r}, "
+                             f"whose shape is {full}")
         idx = tuple(slice(o, o + s) for o, s in zip(offset, shape))
         if self._map is not None:
             t = self._map[name]
-            return t[idx] if idx else t
-        sl = self._open(self._files[name]).get_slice(name)
-        return sl[idx] if idx else sl[:]
+            t = t[idx] if idx else t
+        else:
+            sl = self._open(self._files[name]).get_slice(name)
+            t = sl[idx] if idx else sl[...]
+        return t if dtype is None or t.dtype == dtype else t.to(dtype)

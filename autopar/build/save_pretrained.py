@@ -11,7 +11,7 @@ are left out when the original names are known (`like=`, or `global_graph.meta["
 
 How: every rank writes the pieces it holds to a temporary DCP checkpoint beside the target
 (runtime/checkpoint_save.py, the same path as `autopar.save`); rank 0 then reads one full
-tensor at a time from it (autopar.build.weights.DcpTensors: DCP's own reader, one key) and
+tensor at a time from it (autopar.build.weights.WeightSource: DCP's own reader, one key) and
 streams it into safetensors files it writes itself (`write_safetensors`: the format is an
 8-byte little-endian header length, a JSON header padded with spaces to 8 bytes, the raw
 bytes). Rank 0's peak memory is its shard plus about one full tensor; no rank builds the
@@ -37,17 +37,17 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from autopar.build.weights import DcpTensors
+from autopar.build.model_tensors import model_tensors
+from autopar.build.weights import WeightSource
 from autopar.runtime import checkpoint as ck
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime.checkpoint_files import SAFETENSORS_DTYPES
 
-__all__ = ["save_pretrained", "write_safetensors", "parse_size", "model_state_info", "state_names"]
+__all__ = ["save_pretrained", "write_safetensors", "parse_size", "state_names"]
 
 _ST_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_KEEP = []
 _COPY = 64 << 20  # bytes per write call: a big tensor is written in pieces
 
 
@@ -92,7 +92,6 @@ def write_safetensors(path: str, specs: Sequence[tuple[str, Sequence[int], torch
         for i in order:
             name, shape, dtype = specs[i]
             t = read(name)
-            _KEEP.append(t)
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise AssertionError(f"{name}: read {tuple(t.shape)} {t.dtype}, the header says {tuple(shape)} {dtype}")
             flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
@@ -106,21 +105,11 @@ def write_safetensors(path: str, specs: Sequence[tuple[str, Sequence[int], torch
 
 
 # --- what to write: names, dtypes ----------------------------------------------------------------
-def model_state_info(pmodel: Any) -> dict[str, Any]:
-    """Layouts, unsharded shapes and tied-name groups of a ParallelModel (what the runtime's
-    checkpoints need to know of the plan and the captured model), as plain data."""
+def _check_parallel_model(pmodel: Any) -> None:
     for attr in ("global_graph", "engine", "mesh", "plan"):
         if not hasattr(pmodel, attr):
             raise TypeError(f"expected the model returned by autopar.parallelize, got {type(pmodel).__name__} "
                             f"(it has no {attr!r}); for a plain transformers model call its own save_pretrained")
-    gm = pmodel.global_graph
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_id: dict[int, list[str]] = {}
-    for n, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        shapes[n] = tuple(t.shape)
-        by_id.setdefault(id(t), []).append(n)
-    return {"layouts": dict(pmodel.plan.param_layouts), "global_shapes": shapes,
-            "aliases": [sorted(g) for g in by_id.values() if len(g) > 1]}
 
 
 def state_names(pmodel: Any, like: torch.nn.Module | Mapping[str, Any] | Iterable[str] | None = None) -> list[str]:
@@ -195,7 +184,8 @@ def save_pretrained(pmodel: Any, directory: str | os.PathLike, *, max_shard_size
     if config is not None and not (isinstance(config, Mapping) or hasattr(config, "to_json_file")
                                    or hasattr(config, "save_pretrained")):
         raise ValueError(f"config must be a dict or a transformers config, got {type(config).__name__}")
-    info = model_state_info(pmodel)
+    _check_parallel_model(pmodel)
+    info = model_tensors(pmodel.global_graph, pmodel.plan)
     names = state_names(pmodel, like)
     tensors = dict(pmodel.global_graph.named_parameters(remove_duplicate=False))
     tensors.update(pmodel.global_graph.named_buffers(remove_duplicate=False))
@@ -215,7 +205,8 @@ def save_pretrained(pmodel: Any, directory: str | os.PathLike, *, max_shard_size
     err = None
     if files.rank() == 0:
         try:
-            written = _write_directory(staged, out_tmp, directory, specs, max_bytes, config, dtype, token)
+            written = _write_directory(staged, out_tmp, directory, specs, info["aliases"], max_bytes, config,
+                                       dtype, token)
         except OSError as e:
             err = ("OSError", e.errno, f"{e.strerror or e} ({e.filename})" if e.filename else str(e))
         except Exception as e:  # noqa: BLE001 - reported on every rank
@@ -234,14 +225,16 @@ def save_pretrained(pmodel: Any, directory: str | os.PathLike, *, max_shard_size
     return written
 
 
-def _write_directory(staged: str, out_tmp: str, directory: str, specs: list, max_bytes: int, config: Any,
-                     dtype: torch.dtype | None, token: str) -> list[str]:
+def _write_directory(staged: str, out_tmp: str, directory: str, specs: list, aliases: Sequence[Sequence[str]],
+                     max_bytes: int, config: Any, dtype: torch.dtype | None, token: str) -> list[str]:
     """Rank 0: stream the staged DCP checkpoint into safetensors files in `out_tmp`, then move
     it to `directory` (replacing what was there only now)."""
-    src = DcpTensors(staged, verify="size")
-    absent = [n for n, _, _ in specs if n not in src.tensors]
+    src = WeightSource(staged, verify="size")
+    # a tied weight may be held under any of its names (a pipeline stage knows one of them)
+    found = src.resolve([n for n, _, _ in specs], aliases)
+    absent = [n for n, s in found.items() if s is None]
     if absent:
-        raise AssertionError(f"the staged checkpoint lacks {absent[:10]}")
+        raise AssertionError(f"the staged checkpoint lacks {absent[:10]} (under every tied name)")
     shards = _shards(specs, max_bytes)
     os.makedirs(out_tmp)
     n = len(shards)
@@ -249,7 +242,7 @@ def _write_directory(staged: str, out_tmp: str, directory: str, specs: list, max
     dtypes = {name: dt for name, _, dt in specs}
 
     def read(name: str) -> torch.Tensor:
-        return src.read(name, (0,) * len(shapes[name]), shapes[name], dtypes[name])
+        return src.read(found[name], (0,) * len(shapes[name]), shapes[name], dtypes[name])
 
     rel, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards):
