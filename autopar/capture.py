@@ -66,6 +66,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
         raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    if any(t.is_meta for t in model.parameters()):  # a model built on meta captures on meta inputs
+        args, kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     leaf_modules = list(leaf_modules)
     names = dict(model.named_modules())
     missing = [p for p in leaf_modules if p not in names]

@@ -82,6 +82,9 @@ class _Unshard(torch.autograd.Function):
         return (None, None, None) + (None,) * len(ctx.engine.units[ctx.uid].slots)
 
 
+MAX_INFLIGHT_REDUCES = 2
+
+
 def default_units(module: nn.Module) -> list[str]:
     """One prefix per top-level child; list-like children split per element."""
     out = []
@@ -331,6 +334,11 @@ class ShardedEngine(EngineBase):
             return
         out = torch.empty(u.layout.S, dtype=rdt, device=self.device)
         self._pending.append((uid, buf, out, C.reduce_scatter_into_(out, buf, self.axis, "sum", async_op=True)))
+        # a unit's full gradients live until its reduce-scatter is done: keep at most
+        # MAX_INFLIGHT_REDUCES in flight (FSDP2 does the same), or backward would hold the
+        # whole model's gradients at once
+        while len(self._pending) > MAX_INFLIGHT_REDUCES:
+            self._complete(*self._pending.pop(0))
 
     def no_sync(self):
         @contextlib.contextmanager
@@ -345,22 +353,25 @@ class ShardedEngine(EngineBase):
     def _has_pending(self) -> bool:
         return bool(self._pending)
 
+    def _complete(self, uid: int, buf, out, work) -> None:
+        """Wait for one unit's reduce-scatter and add its rows to the shards' gradients."""
+        if work is not None:
+            work.wait()
+        red = out.float()
+        if self.k > 1:
+            red = red.div_(self.k) if red is not out else red.div(self.k)
+        for s, v in zip(self.units[uid].slots, self.units[uid].layout.shard_views(red)):
+            if not s.trainable:
+                continue
+            g = v.to(s.master.device, s.master.dtype, copy=True)
+            if s.master.grad is None:
+                s.master.grad = g
+            else:
+                s.master.grad.add_(g)
+
     def _reduce(self) -> None:
-        for uid, buf, out, work in self._pending:
-            if work is not None:
-                work.wait()
-            red = out.float()
-            if self.k > 1:
-                red = red.div_(self.k) if red is not out else red.div(self.k)
-            for s, v in zip(self.units[uid].slots, self.units[uid].layout.shard_views(red)):
-                if not s.trainable:
-                    continue
-                g = v.to(s.master.device, s.master.dtype, copy=True)
-                if s.master.grad is None:
-                    s.master.grad = g
-                else:
-                    s.master.grad.add_(g)
-        self._pending.clear()
+        while self._pending:
+            self._complete(*self._pending.pop(0))
         for u in self.units:
             u.bwd = None
         self._drop_prefetches()

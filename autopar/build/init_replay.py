@@ -307,6 +307,7 @@ def replay_init(model: nn.Module, keep: Mapping[str, Sequence[Region]], *, seed:
         if canon is None or n not in keep:
             continue
         got = dict(zip(map(tuple, canon_keep.get(canon, [])), pieces.get(canon, [])))
-        by_alias[n] = [got[r] for r in keep[n] if r in got]
+        # never written by any init step: zeros (the same on every rank; the caller warns)
+        by_alias[n] = [got[tuple(r)] if tuple(r) in got else torch.zeros(r[1], dtype=t.dtype) for r in keep[n]]
     untouched = sorted({n for n, t in tensors if id(t) in owned and owned[id(t)] not in shadow.touched and n in keep})
     return InitResult(by_alias, untouched, sorted(shadow.inexact), [s for s, _ in steps])

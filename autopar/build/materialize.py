@@ -182,8 +182,8 @@ def _is_buffer(engine, name: str) -> bool:
 
 def _warn_not_reproduced(untouched: Sequence[str], inexact: Sequence[str]) -> None:
     if untouched:
-        warnings.warn(f"no reset_parameters / initialize_weights of the model writes {list(untouched)[:8]}: their "
-                      "values are NOT what one process building the model on the CPU would draw (a constructor that "
+        warnings.warn(f"no reset_parameters / initialize_weights of the model writes {list(untouched)[:8]}: they are "
+                      "zeros, NOT what one process building the model on the CPU would draw (a constructor that "
                       "draws with torch.randn directly cannot be replayed on meta); give weights= a checkpoint, or "
                       "add a reset_parameters that initializes them", stacklevel=3)
     if inexact:
