@@ -7,11 +7,13 @@
 """
 from autopar.api import ParallelModel, mesh, optimizer, parallelize, sampler
 from autopar.build.materialize import ModuleInit
+from autopar.build.save_pretrained import save_pretrained
+from autopar.build.weights import WeightSource
 from autopar.capture import CaptureError, capture
 from autopar.passes.plan import Plan
 
 __all__ = ["mesh", "parallelize", "optimizer", "sampler", "capture", "CaptureError", "Plan", "ParallelModel",
-           "ModuleInit"]
+           "ModuleInit", "save_pretrained", "WeightSource"]
 __version__ = "0.1.0"
 from autopar.checkpoint_api import (CheckpointError, RankUnresponsiveError, bounded_mesh, export_state_dict,  # noqa: E402
                                     fault_guard, import_state_dict, init_restartable, latest_checkpoint, load, save,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from autopar.runtime._torch_compat import pytree
 
-from autopar.build.materialize import has_meta_tensors, materialize
+from autopar.build.materialize import has_meta_tensors, materialize, open_weights
 from autopar.build.model_tensors import model_tensors
 from autopar.capture import capture
 from autopar.passes import ir
@@ -164,12 +164,14 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     on_meta = has_meta_tensors(model)
     if on_meta:
         sync_init = False  # every rank fills its own pieces from the same source: nothing to broadcast
+    weights = open_weights(weights, model, strict=strict_weights)  # a source that does not fit fails here
+    run_device = mesh.device if on_meta else None  # a meta model is traced on fake tensors of this device
     fusions_pinned = plan is not None or "fusions" in (pins or {})
     kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}  # model(**batch), as in HF
     args = () if kwargs else tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     global_gm = None
     if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
-        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules)
+        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules, device=run_device)
         plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), pins, zero_stage, bucket_mb, n_microbatches, hardware,
                                  memory_limit)
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
@@ -182,7 +184,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                              f"dp={dp} x micro-batches={plan.n_microbatches}; use a batch size that is a "
                              f"multiple of {dp * plan.n_microbatches}")
     if global_gm is None:
-        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules)
+        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules, device=run_device)
     local_gm = _fresh(global_gm)
     if dp > 1 and _batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
@@ -190,7 +192,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         k = dp * plan.n_microbatches
         local_args, local_kwargs = pytree.tree_map(
             lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t, (args, kwargs))
-        local_gm = _fresh(capture(model, local_args, example_kwargs=local_kwargs, leaf_modules=leaf_modules))
+        local_gm = _fresh(capture(model, local_args, example_kwargs=local_kwargs, leaf_modules=leaf_modules,
+                                   device=run_device))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))
@@ -264,7 +267,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         report = materialize(program.engine, mesh, model, weights, **model_tensors(global_gm, plan),
                              strict=strict_weights)
         plan.notes.append(report.note())
+    global_gm.meta["autopar_state_keys"] = list(model.state_dict().keys())  # what save_pretrained writes
     pmodel = ParallelModel(program, plan, local_gm, global_gm, records, global_gm.meta.get("autopar_capture", {}))
+    if getattr(model, "config", None) is not None:
+        pmodel.__dict__["config"] = model.config  # written as config.json by save_pretrained
     pmodel.__dict__["stage_graphs"] = stage_graphs
     return pmodel
 

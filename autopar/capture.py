@@ -49,8 +49,8 @@ class CaptureError(RuntimeError):
 
 def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kwargs: dict | None = None,
             leaf_modules: Iterable[str] = (), dynamic_batch: bool = True,
-            dynamic_shapes: Any = None, paths: Sequence[str] = ("export", "symbolic_trace", "make_fx")
-            ) -> fx.GraphModule:
+            dynamic_shapes: Any = None, paths: Sequence[str] = ("export", "symbolic_trace", "make_fx"),
+            device: str | torch.device | None = None) -> fx.GraphModule:
     """Capture `model` on `example_inputs` as a normalised ATen-level GraphModule.
 
     Args:
@@ -61,12 +61,24 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
         dynamic_batch: mark dim 0 of every tensor input as dynamic (when export can keep it).
         dynamic_shapes: passed to torch.export as is (overrides dynamic_batch).
         paths: the capture paths to try, in order.
+        device: for a model on the meta device, the device it will run on: the model is traced
+            on fake tensors of that device (no memory), so that device-dependent code (a CPU
+            branch in transformers' grouped experts, `device=` of factories) is captured as it
+            will run. The graph keeps the model's meta tensors. Without it, a meta model is
+            traced on meta (enough for planning).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
-    if any(t.is_meta for t in model.parameters()):  # a model built on meta captures on meta inputs
+    if any(t.is_meta for t in model.parameters()):
+        if device is not None:  # capture as it will run: fake tensors of the run's device
+            with _fake_on(model, torch.device(device)) as to_fake:
+                gm = capture(model, pytree.tree_map(to_fake, args), example_kwargs=pytree.tree_map(to_fake, kwargs),
+                             leaf_modules=leaf_modules, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,
+                             paths=paths)
+            _restore_meta(gm, model)
+            return gm
         args, kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     leaf_modules = list(leaf_modules)
     names = dict(model.named_modules())
@@ -104,6 +116,56 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
             ir.annotate_graph(gm, model)
             return gm
     raise CaptureError(_explain(model, errors))
+
+
+@contextlib.contextmanager
+def _fake_on(model: nn.Module, device: torch.device):
+    """Swap every meta parameter and buffer of `model` for a fake tensor of `device` (same
+    shape, dtype, requires_grad) for the duration; yields a function that makes inputs fake
+    on `device` too."""
+    from autopar.runtime._torch_compat import FakeTensorMode  # noqa: PLC0415
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    made: dict[int, torch.Tensor] = {}  # one fake per tensor: tied weights stay tied
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            with mode:
+                f = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return made[id(t)]
+
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for n, t in list(store.items()):
+                if t is not None and t.is_meta:
+                    swapped.append((store, n, t))
+                    store[n] = fake(t)
+
+    def to_fake(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        with mode:
+            return torch.empty(x.shape, dtype=x.dtype, device=device)
+
+    try:
+        yield to_fake
+    finally:
+        for store, n, t in swapped:
+            store[n] = t
+
+
+def _restore_meta(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Put the model's meta tensors back into a graph captured on fake ones (by name)."""
+    originals = dict(model.named_parameters(remove_duplicate=False))
+    originals.update(dict(model.named_buffers(remove_duplicate=False)))
+    for mod_name, mod in gm.named_modules():
+        for store in (mod._parameters, mod._buffers):
+            for n, t in list(store.items()):
+                full = f"{mod_name}.{n}" if mod_name else n
+                if t is not None and full in originals:
+                    store[n] = originals[full]
 
 
 @contextlib.contextmanager

@@ -66,6 +66,35 @@ class MaterializeReport:
         return "; ".join(parts)
 
 
+def open_weights(weights: Any, model: nn.Module, *, strict: bool = True) -> Any:
+    """The weight source `parallelize` fills from, checked against `model` before anything is
+    built: a `ModuleInit` stays as it is; anything else opens as a `WeightSource` and (strict)
+    must hold every parameter and persistent buffer of `model` with its shape and a dtype
+    that converts, and a config.json of the same architecture: one ValueError names every
+    problem."""
+    if weights is None or isinstance(weights, ModuleInit):
+        return weights
+    from .weights import WeightSource  # noqa: PLC0415
+
+    src = weights if isinstance(weights, WeightSource) else WeightSource(weights)
+    sd = model.state_dict(keep_vars=True)
+    if src.kind in ("hf", "safetensors"):  # transformers' on-disk layout (per-expert MoE weights ...)
+        from .hf_conversion import conversion_for, converted_source  # noqa: PLC0415
+
+        src = converted_source(src, conversion_for(model), list(sd))
+    if strict:
+        by_id: dict[int, list[str]] = {}
+        for n, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+            by_id.setdefault(id(t), []).append(n)
+        cfg = getattr(model, "config", None)
+        expected_config = None
+        if cfg is not None and getattr(cfg, "model_type", None):
+            expected_config = {"model_type": cfg.model_type, "architectures": [type(model).__name__]}
+        src.check({n: (tuple(t.shape), t.dtype) for n, t in sd.items()},
+                  aliases=[g for g in by_id.values() if len(g) > 1], expected_config=expected_config)
+    return src
+
+
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
@@ -76,7 +105,10 @@ def describe_source(weights: Any) -> str:
         return f"the modules' own init (seed {torch.initial_seed() if seed is None else seed})"
     if isinstance(weights, Mapping):
         return f"a state dict of {len(weights)} tensors"
-    return repr(os.fspath(weights)) if isinstance(weights, (str, os.PathLike)) else type(weights).__name__
+    if isinstance(weights, (str, os.PathLike)):
+        return repr(os.fspath(weights))
+    path = getattr(weights, "path", None)
+    return f"{getattr(weights, 'kind', '')} {path!r}".strip() if path else type(weights).__name__
 
 
 class _PieceSource(StateSource):
