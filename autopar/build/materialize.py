@@ -188,7 +188,8 @@ def materialize(engine, mesh, model: nn.Module, weights: Any, *, layouts: Mappin
         src = weights if isinstance(weights, StateSource) else StateSource(weights)
         report.loaded = import_state(engine, mesh, src, layouts=layouts, global_shapes=global_shapes,
                                      aliases=aliases, strict=strict)
-        missing_buffers = {n for n in buffer_names if n not in report.loaded}
+        on_meta = {n for n, b in model.named_buffers(remove_duplicate=False) if b.is_meta}
+        missing_buffers = {n for n in buffer_names if n not in report.loaded and n in on_meta}
         if missing_buffers:  # non-persistent buffers (RoPE tables ...): the modules' own code computes them
             want = {n: regions[n] for n in missing_buffers}
             res = replay_init(model, want, only_kept=True)
