@@ -79,7 +79,8 @@ def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: 
     torch.manual_seed(0)
     model = src.build()
     x0, _ = src.example_batch(batch, seq_len=seq, generator=torch.Generator().manual_seed(1))
-    pm = autopar.parallelize(model, autopar.mesh(**plan.mesh), example_inputs=x0, plan=plan)
+    # a CPU world by design, also where a GPU is visible (the ranks are forked: no CUDA in them)
+    pm = autopar.parallelize(model, autopar.mesh(**plan.mesh, device_type="cpu"), example_inputs=x0, plan=plan)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=LR)
     g = torch.Generator().manual_seed(1)
     losses = []

@@ -16,6 +16,11 @@ so an interrupted job resumes where it stopped (rank 0 decides what is left and 
 others). Rank 0 also appends progress events, one JSON object a line, to the job's
 "progress" file; the launcher reads them to move its progress bars.
 
+Devices: the job runs on the default group's device (NCCL: this rank's GPU, given to
+init_process_group as device_id; gloo: the CPU). Host-side values (plans to run, step times,
+peaks, errors) travel over `runtime.mesh.host_group()`, a gloo group of the whole job: NCCL
+rejects CPU tensors.
+
 Reads and writes no node.meta keys.
 """
 from __future__ import annotations
@@ -54,18 +59,41 @@ def _write(path: Path, obj: Any) -> None:
     os.replace(tmp, path)  # atomic: a killed job leaves no half-written result
 
 
+def _host():
+    """The job's gloo group for host-side values."""
+    from autopar.runtime.mesh import host_group
+
+    return host_group()
+
+
 def _agree(obj: Any) -> Any:
     """Rank 0's `obj` on every rank."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_host())
     return box[0]
 
 
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_host())
+    return out
+
+
+def _barrier() -> None:
+    dist.barrier(group=_host())
+
+
 def _device() -> str:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-        return "cuda"
-    return "cpu"
+    """The job's device type ("cuda" under NCCL, whose rank's GPU becomes current; "cpu" on gloo,
+    even where a GPU is visible)."""
+    from autopar.runtime.launch import local_cuda_device
+    from autopar.runtime.mesh import default_device_type
+
+    device = default_device_type()
+    if device == "cuda":
+        torch.cuda.set_device(local_cuda_device())
+    return device
 
 
 # ------------------------------------------------------------------------ bench
@@ -92,7 +120,7 @@ def bench(job: dict[str, Any]) -> None:
         ev(task="compute", total=len(items), desc="compute microbenchmarks")
         results = []
         for it in items:
-            dist.barrier()
+            _barrier()
             results.append(run_compute(it, device))
             ev(task="compute", advance=1, desc=f"{it['kind']} {it['dtype']} {it.get('shape', it.get('numel'))}")
         if rank == 0:
@@ -213,7 +241,7 @@ class Session:
 
     def step(self, timed: bool = True) -> None:
         """One training step, started together on every rank; its time recorded when `timed`."""
-        dist.barrier()
+        _barrier()
         t, c = time.perf_counter(), time.process_time()
         loss = self._one()
         if self.device == "cuda":
@@ -225,7 +253,7 @@ class Session:
 
     def memory(self) -> float:
         """Peak memory of one more step on this rank (bytes)."""
-        dist.barrier()
+        _barrier()
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             self._one()
@@ -234,13 +262,13 @@ class Session:
         return _cpu_step_peak(self._one, (self.pm, self.opt))
 
     def result(self, peak: float | None) -> dict[str, Any]:
-        """The measurements, the same on every rank (a step ends when its slowest rank does)."""
+        """The measurements, the same on every rank (a step ends when its slowest rank does).
+        Host values: reduced over the job's gloo group (CPU tensors), never the training's."""
         wall = torch.tensor(self.wall, dtype=torch.float64)
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=_host())
         busy = torch.tensor(self.cpu, dtype=torch.float64)
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, peak)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=_host())
+        peaks = _gather(peak)
         w, b = wall.tolist(), busy.tolist()
         known = [p for p in peaks if p is not None and p == p]
         return {"step_s": statistics.median(w) if w else None, "step_s_all": w, "step_s_min": min(w) if w else None,
@@ -268,8 +296,7 @@ def _fail(c: dict, e: BaseException) -> dict[str, Any]:
 
 def _agree_errors(res: dict[str, Any]) -> dict[str, Any]:
     """A result that failed on any rank fails on all (rank 0 writes it)."""
-    errs = [None] * dist.get_world_size()
-    dist.all_gather_object(errs, res.get("error"))
+    errs = _gather(res.get("error"))
     first = next((e for e in errs if e), None)
     if first and res.get("ok", True):
         return {"id": res["id"], "ok": False, "error": "failed on another rank: " + first}
@@ -325,8 +352,7 @@ def candidates(job: dict[str, Any]) -> None:
             sessions[c["id"]] = Session(source, Plan.from_json(Path(c["path"]).read_text()), **opts)
         except Exception as e:  # noqa: BLE001 - recorded; the other plans still run
             sessions[c["id"]] = _fail(c, e)
-        built = [None] * dist.get_world_size()
-        dist.all_gather_object(built, isinstance(sessions[c["id"]], Session))
+        built = _gather(isinstance(sessions[c["id"]], Session))
         if not all(built) and isinstance(sessions[c["id"]], Session):
             sessions[c["id"]] = {"id": c["id"], "ok": False, "error": "failed on another rank while building"}
     live = [c for c in todo if isinstance(sessions[c["id"]], Session)]
@@ -347,7 +373,7 @@ def candidates(job: dict[str, Any]) -> None:
         sessions[c["id"]] = res  # drop the plan's model and groups while the world is still up
     del s
     gc.collect()
-    dist.barrier()
+    _barrier()
 
 
 # ------------------------------------------------------------------------ train (autopar run)
@@ -394,10 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: torchrun ... -m autopar.worker JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    import datetime
+    from autopar.runtime.launch import init_job_process_group
 
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(job.get("timeout_s", 300))))
+    init_job_process_group(timeout_s=float(job.get("timeout_s", 300)))  # NCCL with device_id where a GPU is
     try:
         run_job(job)
     finally:

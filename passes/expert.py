@@ -21,7 +21,9 @@ For each block, with P ranks on the ep axis, this rank (index r) owning experts
 * "sorted" blocks (transformers' grouped_mm experts): each gather through the sort
   permutation becomes `moe.dispatch` of its source (token or per-assignment rows), the
   group offsets become `moe.local_offsets`, the combine becomes `moe.combine`, and every
-  grouped expert parameter keeps this rank's rows of its expert dim;
+  grouped expert parameter keeps this rank's rows of its expert dim; a masked_fill by a
+  sentinel mask no router index sets (`identity_fills`) is dropped (its mask has the global
+  row count);
 * router statistics (reductions over tokens of router outputs) are averaged over the batch
   axes (dp and ep) with `autopar::all_reduce(avg)`, so the load-balancing loss is the one
   of the whole batch;
@@ -115,7 +117,7 @@ def _block_keys(b: dict) -> list[str]:
     ks = [b["tokens"], b["expert_index"], b["combine"]] + list(b.get("entries", [])) + list(b.get("exits", []))
     ks += [d["node"] for d in b.get("gathers", [])] + [d["source"] for d in b.get("gathers", [])]
     ks += [k for k in (b.get("capacity"), b.get("keep"), b.get("offsets"), b.get("combine_input")) if k]
-    return ks
+    return ks + list(b.get("identity_fills", []))
 
 
 def _new(g: fx.Graph, target, args, like: fx.Node, kwargs=None, shape=None, dtype=None) -> fx.Node:
@@ -222,6 +224,10 @@ def _rewrite_block(gm, b, node, axis, P, me, cf, others) -> tuple[set, set]:
         for name, e in b["expert_params"].items():
             (keep_names if first <= e < first + El else drop_names).add(name)
     else:
+        for k in b.get("identity_fills", []):  # the identity (see expert_detect); in place or not
+            f = node[k]
+            f.replace_all_uses_with(f.args[0])
+            g.erase_node(f)
         for gth in b["gathers"]:
             gn, src = node[gth["node"]], node[gth["source"]]
             with g.inserting_before(gn):

@@ -25,7 +25,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .mesh import device_mesh_with_timeout
+from .launch import init_job_process_group
+from .mesh import device_mesh_with_timeout, mark_host_group
 
 
 class RankUnresponsiveError(RuntimeError):
@@ -46,19 +47,19 @@ def init_restartable(backend: str | None = None, timeout_s: float = 600.0) -> No
     agent's store and fails with "Gloo connectFullMesh failed ... Connection refused"."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     td = datetime.timedelta(seconds=timeout_s)
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if attempt is None or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend, timeout=td)
+        init_job_process_group(backend, timeout_s=timeout_s)
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=td)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=td)
+    init_job_process_group(backend, timeout_s=timeout_s, store=dist.PrefixStore(f"autopar/attempt_{attempt}", store),
+                           rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def probe_ranks(group, timeout_s: float) -> list[int]:
     """Ranks of `group` (global numbers) whose main thread does not answer a ping within
     `timeout_s`. Every rank that is still running its program must call it at about the same
-    time (each waits up to `timeout_s` for the others)."""
+    time (each waits up to `timeout_s` for the others). `group` is a gloo group (the pings are
+    CPU tensors): FaultGuard's own, or None where the default group is gloo."""
     me = dist.get_rank()
     members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     peers = [r for r in members if r != me]
@@ -89,7 +90,9 @@ class FaultGuard:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * timeout_s + 5))
+        # a host-side group: its probes are CPU tensors, whatever the training's backend
+        self.group = mark_host_group(dist.new_group(backend="gloo",
+                                                    timeout=datetime.timedelta(seconds=2 * timeout_s + 5)))
 
     def __enter__(self) -> "FaultGuard":
         return self

@@ -4,6 +4,15 @@ and bring back each rank's result or its traceback.
 Used by the test harness, `autopar verify` and the quick-start job. It never hangs: the whole
 world has a deadline, c10d collectives have a timeout, and a failed or silent rank is
 reported by number with its traceback (or as "did not finish").
+
+Processes are forked (~0.1 s a world) unless this process has initialised CUDA: a forked
+child cannot use CUDA then ("Cannot re-initialize CUDA in forked subprocess"), so an NCCL
+world starts by spawn. A gloo world stays forked: its ranks run on the CPU (a mesh follows the
+job's backend, `runtime.mesh.default_device_type`) and never touch CUDA.
+
+`init_job_process_group` is the one place autopar starts a job's default group: NCCL bound to
+the rank's GPU (`device_id`, so NCCL neither guesses the device from the rank nor forms its
+communicator lazily) when a GPU is visible, gloo otherwise.
 """
 from __future__ import annotations
 
@@ -16,6 +25,31 @@ import tempfile
 import time
 import traceback
 from typing import Any, Callable
+
+
+def local_cuda_device() -> "torch.device":
+    """This rank's GPU: LOCAL_RANK (torchrun, or run_world) modulo the visible GPUs."""
+    import torch
+
+    n = torch.cuda.device_count()
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % max(n, 1))
+
+
+def init_job_process_group(backend: str | None = None, *, timeout_s: float = 600.0, **kwargs: Any) -> str:
+    """`dist.init_process_group` for this rank; returns the backend. `backend` None: NCCL when a
+    GPU is visible, gloo otherwise. Under NCCL the rank's GPU (`local_cuda_device`) becomes the
+    current device and is passed as `device_id`. `kwargs` go to init_process_group (init_method,
+    rank, world_size, store)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:
+        dev = local_cuda_device()
+        torch.cuda.set_device(dev)
+        kwargs.setdefault("device_id", dev)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return backend
 
 
 class WorldError(RuntimeError):
@@ -37,9 +71,8 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, fn: Callabl
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        init_job_process_group(backend, timeout_s=collective_timeout_s, init_method=f"file://{init_file}",
+                               rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -58,6 +91,16 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, fn: Callabl
         queue.put((rank, False, traceback.format_exc()))
 
 
+def default_start_method(backend: str) -> str:
+    """fork, unless the world will use CUDA (an NCCL backend) and this process has initialised
+    CUDA already: a forked child could not use it."""
+    import torch
+
+    if "nccl" in backend and torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
 def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
               collective_timeout_s: float = 60.0, threads: int | None = None,
               start_method: str | None = None, **kwargs: Any) -> list[Any]:
@@ -65,11 +108,13 @@ def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", 
 
     Returns the list of per-rank results (must pickle; otherwise their repr). Raises
     `WorldError` naming each failed rank with its traceback, or the ranks that did not
-    finish within `timeout_s`.
+    finish within `timeout_s`. `start_method` (or AUTOPAR_START_METHOD) picks fork or spawn;
+    by default fork, except for an NCCL world in a process that has initialised CUDA (spawn:
+    `fn` must then be importable by name).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    method = start_method or os.environ.get("AUTOPAR_START_METHOD", "fork")
+    method = start_method or os.environ.get("AUTOPAR_START_METHOD") or default_start_method(backend)
     ctx = mp.get_context(method)
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)

@@ -9,6 +9,12 @@ the last axis varies fastest (put `tp` last so that it stays inside a node).
 Guarantees: the product of the axis sizes equals the world size whenever a process group
 exists; axis names are unique; errors name the sizes and say how to fix them; the axis groups
 time out as the job's default group does (torch's `new_group` would wait 30 minutes).
+
+Device: a mesh's device follows the running job's backend (`default_device_type`): NCCL means
+CUDA, a gloo world means the CPU even on a machine with a GPU (a forked test world must never
+touch CUDA). Collectives on the mesh's groups take tensors of the mesh's device only (NCCL
+rejects CPU tensors); host-side values (step times, flags, plain objects) travel over
+`host_group()`, a gloo group of the whole job.
 """
 from __future__ import annotations
 
@@ -120,6 +126,53 @@ class Mesh:
         return torch.device(self.device_type)
 
 
+def default_device_type() -> str:
+    """The device type a job's tensors live on: "cuda" when the default process group runs
+    NCCL, "cpu" when it runs gloo only (even where a GPU is visible: a gloo world forked from a
+    process that initialised CUDA cannot use it); without a process group, "cuda" when a GPU is
+    visible (planning)."""
+    if dist.is_initialized():
+        backend = str(dist.get_backend()).lower()
+        return "cuda" if ("nccl" in backend or "cuda:" in backend) else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- host-side groups ------------------------------------------------------------------------
+_HOST_GROUPS: dict[str, tuple[object, object]] = {}  # name -> (the WORLD it was made in, group)
+_HOST_GROUP_IDS: dict[int, object] = {}  # id -> group, for is_host_group (kept alive here)
+
+
+def host_group(name: str = "host", timeout_s: float | None = None):
+    """A gloo group of the whole job for host-side values: step times, flags, plain objects.
+    One per `name` and job, made on first use (collective then: every rank asks for the same
+    names in the same order); None without a process group. Under NCCL the default group and
+    the mesh's groups reject CPU tensors, and sending a host value through device memory would
+    cost a copy and a synchronisation besides; give a part of the program its own name when it
+    may run beside the training's own host collectives (checkpoints on a background thread)."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    made = _HOST_GROUPS.get(name)
+    if made is None or made[0] is not world:
+        kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        made = (world, mark_host_group(dist.new_group(backend="gloo", **kw)))
+        _HOST_GROUPS[name] = made
+    return made[1]
+
+
+def mark_host_group(group):
+    """Declare `group` (a gloo group) a host-side group: collectives on it take CPU tensors.
+    Returns it. Device checks (tests/dist/test_device_guard.py) treat every other group as
+    running on the mesh's device."""
+    _HOST_GROUP_IDS[id(group)] = group
+    return group
+
+
+def is_host_group(group) -> bool:
+    """Whether `group` was made by `host_group` or declared by `mark_host_group`."""
+    return group is not None and _HOST_GROUP_IDS.get(id(group)) is group
+
+
 def device_mesh_with_timeout(sizes: Mapping[str, int], timeout: datetime.timedelta, device_type: str = "cpu"):
     """A DeviceMesh over the running job (row-major over `sizes`) whose process groups time out
     after `timeout` (collective: every rank calls it, in the same order)."""
@@ -147,7 +200,7 @@ def make_mesh(world_size: int | None = None, *, device_mesh=None, device_type: s
     factorises it); `make_mesh(device_mesh=dm)`; `make_mesh()` inside a torchrun job.
     """
     if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = default_device_type()
     if device_mesh is not None:
         if axes or world_size is not None:
             raise ValueError("pass either a DeviceMesh or axis sizes, not both")

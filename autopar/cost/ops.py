@@ -339,7 +339,7 @@ def _red(per_elem: float = 1.0, differentiable: bool = True) -> Rule:
 
 register("aten.add", "aten.sub", "aten.mul", "aten.div", "aten.neg", "aten.rsub", "aten.add_", "aten.sub_",
          "aten.mul_", "aten.div_", "aten.where", "aten.masked_fill", "aten.masked_fill_", "aten.clamp",
-         "aten.clamp_min", "aten.clamp_max", "aten.maximum", "aten.minimum", "aten.abs", "aten.relu",
+         "aten.clamp_", "aten.clamp_min", "aten.clamp_min_", "aten.clamp_max", "aten.clamp_max_", "aten.maximum", "aten.minimum", "aten.abs", "aten.relu",
          "aten.square", "aten.reciprocal", "aten.lerp", "aten.addcmul", "aten.addcdiv", "aten.copy",
          "aten.copy_", "aten.fill_", "aten.zero_", "aten._to_copy", "aten.fill", "aten.hardtanh",
          "aten.leaky_relu", "aten.sign", "aten.floor", "aten.ceil", "aten.round", "aten.trunc",

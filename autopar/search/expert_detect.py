@@ -19,12 +19,16 @@ Detection works on the graph's structure (ATen ops and data flow), never on clas
   `select(buffer, 0, e)` to the e-th input of a `stack`) or grouped (sorted: row-wise ops and
   grouped matmuls over parameters with a leading expert dim, with group offsets computed in I).
   Every expert op must be row-wise (no op mixes rows), which is what lets the experts run on
-  any number of rows;
+  any number of rows. One exception, recorded as `identity_fills`: a `masked_fill` whose mask
+  is `expert id >= n_experts` (transformers 5.17's sentinel rows for expert-parallel padding,
+  Mixtral / Qwen2-MoE grouped experts). No top-k index over n_experts sets it, so the fill is
+  the identity, and the pass drops it (its mask has the global row count, not a rank's);
 * capacity: the bool (N, K) mask in I that selects the slot (`where(keep, slot, dummy)`), and
   the SymInt it compares queue positions against; dropless when that capacity equals N;
 * router statistics: reductions over the token dim of values computed from router outputs
-  alone (the load-balancing loss's f_e and P_e, transformers' aux loss). The pass makes
-  them global over the batch axes so the loss equals one process's.
+  alone (the load-balancing loss's f_e and P_e, transformers' aux loss; its expert counts
+  by `histc`, or by `bincount` and a float cast in transformers 5.17). The pass makes them
+  global over the batch axes so the loss equals one process's.
 
 The result for a block is plain JSON keyed by stable node keys (`passes.ir.node_keys`).
 
@@ -63,7 +67,7 @@ ROW_WISE = {"aten.linear", "aten.silu", "aten.gelu", "aten.relu", "aten.mul", "a
             "aten.slice", "aten.split_with_sizes", "aten.erf", "aten.exp", "aten.square", "aten.relu6"}
 SPLITS_DIM = {"aten.chunk": 2, "aten.split": 2, "aten.split_with_sizes": 2, "aten.narrow": 1, "aten.slice": 1}
 GROUPED = {"transformers.grouped_mm_fallback", "aten._grouped_mm", "aten.grouped_mm"}
-REDUCTIONS = {"aten.sum", "aten.mean", "aten.histc"}
+REDUCTIONS = {"aten.sum", "aten.mean", "aten.histc", "aten.bincount"}
 
 
 class MoEDetectError(ValueError):
@@ -153,6 +157,7 @@ class MoEBlock:
     expert_params: dict[str, Any] = field(default_factory=dict)  # name -> expert id (slots) | "dim0" (sorted)
     flops_per_row: float = 0.0  # forward FLOPs of one expert on one row
     side_row_bytes: int = 0  # per-assignment data dispatched besides x (sorted idiom: weights)
+    identity_fills: list[str] = field(default_factory=list)  # sorted: masked_fills by a never-set sentinel mask
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -275,11 +280,44 @@ def _params_feeding(g: _Graph, region: set) -> dict[str, fx.Node]:
     return out
 
 
-def _check_row_wise(g: _Graph, region: set, starts: set, what: str) -> None:
+def _carries_expert_ids(m: fx.Node, idx: fx.Node) -> bool:
+    """Whether `m` holds (a reshaping or sorting of) the router's indices `idx`: values in [0, E)."""
+    while m is not idx:
+        b = _base(m)
+        if b in VIEWLIKE:
+            m = m.args[0]
+        elif b == "operator.getitem" and m.args[1] == 0 and isinstance(m.args[0], fx.Node) and \
+                _base(m.args[0]) == "aten.sort":
+            m = m.args[0].args[0]  # sorted values: the same set of ids
+        else:
+            return False
+        if not isinstance(m, fx.Node):
+            return False
+    return True
+
+
+def _identity_fills(region: set, idx: fx.Node, E: int) -> dict[fx.Node, fx.Node]:
+    """masked_fill nodes of `region` whose mask is `ids >= E` (or `ids > E - 1`) for expert ids
+    `ids` of the router indices `idx`: never set, so the fill is the identity. -> {fill: mask}."""
+    out = {}
+    for n in region:
+        if _base(n) not in ("aten.masked_fill", "aten.masked_fill_") or not isinstance(n.args[1], fx.Node):
+            continue
+        m = n.args[1]
+        while _base(m) in VIEWLIKE and isinstance(m.args[0], fx.Node):
+            m = m.args[0]
+        c = m.args[1] if _base(m) in ("aten.ge", "aten.gt") and len(m.args) > 1 else None
+        if isinstance(c, int) and not isinstance(c, bool) and (c >= E if _base(m) == "aten.ge" else c >= E - 1) \
+                and isinstance(m.args[0], fx.Node) and _carries_expert_ids(m.args[0], idx):
+            out[n] = n.args[1]
+    return out
+
+
+def _check_row_wise(g: _Graph, region: set, starts: set, what: str, identity: set = frozenset()) -> None:
     rows = region | starts
     for n in region:
         b = _base(n)
-        mixes = n.op == "call_function" and b not in ROW_WISE
+        mixes = n.op == "call_function" and b not in ROW_WISE and n not in identity
         if b in SPLITS_DIM:  # along the last dims only, never across rows (a full slice is a copy)
             pos = SPLITS_DIM[b]
             dim = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
@@ -459,12 +497,15 @@ def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
     cdata, cindex = _index_of(comb)
     starts = set(gathers)
     region = (g.descendants(list(starts)) & (g.ancestors(cdata) | {cdata})) - starts
-    _check_row_wise(g, region, starts, where)
+    fills = _identity_fills(region, idx, E)
+    _check_row_wise(g, region, starts, where, set(fills))
     offsets = None
     for n in region:
         for a in g.tin(n):
             if a in region or a in starts or not g.dep[a]:
                 continue
+            if n in fills and a is fills[n]:
+                continue  # the sentinel mask of an identity fill, dropped with it
             if a in I and _base(a) == "aten.cumsum" and _base(n) in GROUPED:
                 if offsets not in (None, a):
                     raise MoEDetectError(f"{where}: two different group offsets {g.keys[offsets]}, {g.keys[a]}")
@@ -480,7 +521,8 @@ def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
     return MoEBlock(module=_block_module(g, t, comb), idiom="sorted", hidden=int(_shape(x)[1]), tokens=g.keys[x],
                     gathers=out, offsets=g.keys[offsets] if offsets is not None else None,
                     combine_input=g.keys[cdata], expert_params={n: "dim0" for n in sorted(pe)},
-                    flops_per_row=_flops_per_row(pe, E), side_row_bytes=side, **common)
+                    flops_per_row=_flops_per_row(pe, E), side_row_bytes=side,
+                    identity_fills=sorted(g.keys[n] for n in fills), **common)
 
 
 def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
@@ -529,6 +571,11 @@ def router_stats(gm: fx.GraphModule, blocks: list[MoEBlock] | None = None) -> li
         inp = n.args[0]
         if not g.token_major(inp, n_tok_int) or g.token_major(n, n_tok_int):
             continue
+        if _base(n) == "aten.bincount":  # integer counts (transformers 5.17's aux loss): average their float cast
+            n = next((u for u in n.users if _base(u) in ("aten.to", "aten._to_copy")
+                      and (ir.info(u).dtype or "").startswith(("float", "bfloat"))), None)
+            if n is None:
+                continue
         dtype = ir.info(n).dtype or ""
         if not dtype.startswith(("float", "bfloat")):
             continue

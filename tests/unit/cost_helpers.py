@@ -24,13 +24,25 @@ REFERENCE = ["gpt-tiny", "gpt-tiny-tied", "moe-tiny", "moe-tiny-capacity", "vit-
 HF = ["hf-gpt2", "hf-llama", "hf-mixtral", "hf-bert"]
 aten = torch.ops.aten
 
+
+
+def kv_as_query_heads(q, *kv) -> list[tuple[int, ...]]:
+    """Key / value shapes with the query's head count. Grouped-query attention (fewer kv heads,
+    `enable_gqa`, as transformers' Llama / Mixtral call SDPA) computes every query head against
+    its group's kv head: the FLOPs of the expanded kv. torch 2.13's formulas count it so
+    themselves; torch 2.11's assert equal head counts ("sdpa_flop_count: query/key/value shapes
+    are incompatible")."""
+    return [(s[0], q[1], *s[2:]) for s in kv]
+
+
 # FlopCounterMode has no entry for the CPU flash-attention kernels; count them with torch's own
 # flash formulas (the ones it applies to the CUDA kernels), on the shapes the kernel received.
 CPU_FLASH = {
     aten._scaled_dot_product_flash_attention_for_cpu:
-        lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v),
+        lambda q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, *kv_as_query_heads(q, k, v)),
     aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v),
+        lambda g, q, k, v, *a, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(
+            g, q, *kv_as_query_heads(q, k, v)),
 }  # fmt: skip
 
 

@@ -147,3 +147,31 @@ def test_convolution_flops_follow_flop_counter_mode_forward_and_backward():
     fwd, bwd = measure_flops(net, (x,))
     assert (gc.flops, gc.bwd_flops) == (fwd["Global"], bwd["Global"])
     torch.testing.assert_close(float(gc.saved_bytes), float(measure_saved_bytes(gm, (x,))), rtol=0.05, atol=0)
+
+
+def test_grouped_query_attention_counts_every_query_head_as_flop_counter_mode_does():
+    # enable_gqa: 4 query heads over 2 kv heads reach the CPU flash kernel unexpanded (as
+    # transformers 5.17's Llama / Mixtral call SDPA); each query head still attends over all keys
+    class GQA(torch.nn.Module):
+        def __init__(self, D=64, H=4, KV=2):
+            super().__init__()
+            self.H, self.KV, self.d = H, KV, D // H
+            self.q, self.kv = torch.nn.Linear(D, D), torch.nn.Linear(D, 2 * KV * (D // H))
+
+        def forward(self, x):  # (B, T, D)
+            B, T, _ = x.shape
+            q = self.q(x).view(B, T, self.H, self.d).transpose(1, 2)  # (B, H, T, d)
+            k, v = self.kv(x).view(B, T, 2, self.KV, self.d).permute(2, 0, 3, 1, 4)  # (B, KV, T, d) each
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return y.transpose(1, 2).reshape(B, T, -1)
+
+    torch.manual_seed(0)
+    net, x = GQA().train(), torch.randn(2, 16, 64)
+    gm = capture(net, (x,))
+    gc = analyze(gm, "cpu-gloo")
+    fwd, bwd = measure_flops(net, (x,))
+    assert (gc.flops, gc.bwd_flops) == (fwd["Global"], bwd["Global"])
+    attn = [n for n in gc.nodes if n.kind == "attention"]
+    B, H, T, d = 2, 4, 16, 16
+    assert len(attn) == 1 and attn[0].cost.flops == 4 * B * H * T * T * d  # q k^T and p v over all 4 heads
+    assert attn[0].cost.flops == sum(v for k, v in fwd["ops"].items() if "attention" in k)

@@ -1,13 +1,19 @@
-"""The fused Triton kernels against their torch references, run by Triton's CPU interpreter,
-and compiled for sm_90 (H100 / H200) without a GPU.
+"""The fused Triton kernels against their torch references: compiled on the GPU where there
+is one, run by Triton's CPU interpreter where there is none; and compiled for sm_90 (H100 /
+H200) without a GPU.
 
 Triton reads TRITON_INTERPRET when it is first imported, and an interpreted triton cannot
-compile GPU kernels in the same process (nor the reverse). So both kinds of test run in child
-processes started by two launcher tests, which re-run this file with
-AUTOPAR_KERNEL_TESTS_CHILD=interpret (TRITON_INTERPRET=1 set before anything imports triton)
-or =compile. In the parent those tests show as skipped, and the parent never imports triton.
-For per-test output run a child directly:
-`AUTOPAR_KERNEL_TESTS_CHILD=interpret pytest tests/unit/test_kernels.py`.
+compile GPU kernels in the same process (nor the reverse). So the kernel tests run in child
+processes started by three launcher tests, which re-run this file with
+AUTOPAR_KERNEL_TESTS_CHILD set:
+- `gpu` (only where torch sees a GPU): the parity tests on CUDA tensors, kernels compiled by
+  Triton for the device, exactly as training runs them;
+- `interpret` (only where there is no GPU): the same parity tests on CPU tensors through
+  Triton's interpreter (TRITON_INTERPRET=1 set before anything imports triton);
+- `compile`: every kernel variant compiled for sm_90 with Triton's bundled ptxas, no GPU needed.
+In the parent those tests show as skipped, and the parent never imports triton. For per-test
+output run a child directly: `AUTOPAR_KERNEL_TESTS_CHILD=gpu pytest tests/unit/test_kernels.py`
+(or `=interpret`).
 
 Tolerances:
 - fp32: outputs and every input / weight / bias gradient within atol = rtol = 1e-5 of the
@@ -19,7 +25,8 @@ Tolerances:
 
 Every parity test also checks, through DISPATCH_COUNTS, that the Triton path really ran.
 Interpreted Triton is slow: shapes are tiny but cover masking (non-power-of-2 widths), row
-loops and cross-program reductions (more rows than programs), and chunked paths.
+loops and cross-program reductions (more rows than programs), and chunked paths. The same
+shapes run on the GPU (inputs drawn on the CPU from the same seeds, then moved).
 """
 from __future__ import annotations
 
@@ -34,12 +41,13 @@ import numpy as np
 import pytest
 import torch
 
-CHILD_ENV = "AUTOPAR_KERNEL_TESTS_CHILD"  # "interpret" or "compile" in a child process
+CHILD_ENV = "AUTOPAR_KERNEL_TESTS_CHILD"  # "gpu", "interpret" or "compile" in a child process
 CHILD = os.environ.get(CHILD_ENV, "")
 if CHILD == "interpret":
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-elif CHILD == "compile":
+elif CHILD in ("compile", "gpu"):
     os.environ.pop("TRITON_INTERPRET", None)
+DEVICE = torch.device("cuda") if CHILD == "gpu" else torch.device("cpu")  # where the parity tests run
 
 from autopar.runtime import kernels  # noqa: E402
 from autopar.runtime.kernels import DISPATCH_COUNTS, KERNELS  # noqa: E402
@@ -63,17 +71,21 @@ def _interpreter_blocker() -> str | None:
 
 
 BLOCKER = _interpreter_blocker()
-interpreted = pytest.mark.skipif(
-    CHILD != "interpret" or BLOCKER is not None,
-    reason=BLOCKER or "runs under Triton's interpreter in a child process "
-                      "(test_interpreted_kernel_tests_pass_in_a_fresh_process)",
+GPU = torch.cuda.is_available()
+# the parity tests: compiled on the GPU in the gpu child, interpreted in the interpret child
+parity = pytest.mark.skipif(
+    not ((CHILD == "gpu" and GPU and triton_available()) or (CHILD == "interpret" and BLOCKER is None)),
+    reason=(BLOCKER if CHILD == "interpret" else None)
+    or "runs in a child process: compiled on a GPU (test_compiled_kernel_tests_pass_on_the_gpu_in_a_fresh_process) "
+       "or under Triton's interpreter (test_interpreted_kernel_tests_pass_in_a_fresh_process)",
 )
 compiled = pytest.mark.skipif(
     CHILD != "compile" or not triton_available(),
     reason="runs in a child process with compiled triton "
            "(test_kernels_compile_for_sm90_in_a_fresh_process)",
 )
-LAUNCHERS = ("test_interpreted_kernel_tests_pass_in_a_fresh_process",
+LAUNCHERS = ("test_compiled_kernel_tests_pass_on_the_gpu_in_a_fresh_process",
+             "test_interpreted_kernel_tests_pass_in_a_fresh_process",
              "test_kernels_compile_for_sm90_in_a_fresh_process")
 
 
@@ -93,9 +105,26 @@ def _run_child(mode: str, tmp_path, *pytest_args: str) -> list[str]:
     return [c.get("name") for c in cases if c.find("skipped") is not None]
 
 
+def test_compiled_kernel_tests_pass_on_the_gpu_in_a_fresh_process(tmp_path):
+    if CHILD:
+        pytest.skip("this is a child")
+    if not GPU:
+        pytest.skip("no GPU: the kernels run under the interpreter "
+                    "(test_interpreted_kernel_tests_pass_in_a_fresh_process)")
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    skipped = _run_child("gpu", tmp_path)
+    # every test ran in the child except the launchers and the compile-only test
+    assert sorted(skipped) == sorted([*LAUNCHERS, "test_every_kernel_compiles_for_sm90"]), \
+        skipped
+
+
 def test_interpreted_kernel_tests_pass_in_a_fresh_process(tmp_path):
     if CHILD:
         pytest.skip("this is a child")
+    if GPU:
+        pytest.skip("a GPU is here: the kernels run compiled on it "
+                    "(test_compiled_kernel_tests_pass_on_the_gpu_in_a_fresh_process)")
     if BLOCKER is not None:
         pytest.skip(BLOCKER)
     skipped = _run_child("interpret", tmp_path)
@@ -188,10 +217,15 @@ def test_every_kernel_compiles_for_sm90():
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    """Force the Triton path through the interpreter for CPU tensors (for this test only)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("AUTOPAR_TRITON", "interpret")
+def triton_path(monkeypatch):
+    """The Triton path for this test: compiled on CUDA tensors in the gpu child (AUTOPAR_TRITON
+    auto), forced through the interpreter for CPU tensors in the interpret child."""
+    if CHILD == "gpu":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.setenv("AUTOPAR_TRITON", "auto")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("AUTOPAR_TRITON", "interpret")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -200,7 +234,8 @@ def _gen(seed: int) -> torch.Generator:
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0,
            grad: bool = True) -> torch.Tensor:
-    t = (torch.randn(shape, generator=_gen(seed)) * scale).to(dtype)
+    """Seeded normal values drawn on the CPU (the same on every device), on DEVICE."""
+    t = (torch.randn(shape, generator=_gen(seed)) * scale).to(dtype).to(DEVICE)
     return t.requires_grad_(grad)
 
 
@@ -208,13 +243,13 @@ def _cos_sin(T: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     freqs = torch.outer(torch.arange(T).float(), inv_freq)  # (T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, D), as HF builds it
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
 
 
 def _target(shape: tuple[int, ...], vocab: int, seed: int) -> torch.Tensor:
     t = torch.randint(0, vocab, shape, generator=_gen(seed))
     t.view(-1)[1::4] = -100  # every fourth row ignored
-    return t
+    return t.to(DEVICE)
 
 
 # Each case: (op, make(dtype) -> (args, kwargs)). Floating tensors made with grad=True are
@@ -281,7 +316,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, grad_dtype: torch.dtype | None
     ups = []
     for i, o in enumerate(outs):
         up = torch.randn(o.shape, generator=_gen(100 + i))
-        ups.append(up.to(grad_dtype or o.dtype).to(o.dtype))
+        ups.append(up.to(grad_dtype or o.dtype).to(o.dtype).to(o.device))
     grads = torch.autograd.grad(outs, leaves, ups)
     return [o.detach() for o in outs] + list(grads)
 
@@ -294,9 +329,9 @@ def _as_fp32(args: tuple) -> tuple:
     )
 
 
-@interpreted
+@parity
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_op_matches_reference_in_fp32_outputs_and_gradients(case, interpret):
+def test_fused_op_matches_reference_in_fp32_outputs_and_gradients(case, triton_path):
     op, make = CASES[case]
     fused, reference, _ = KERNELS[op]
     args, kwargs = make(torch.float32)
@@ -309,10 +344,10 @@ def test_fused_op_matches_reference_in_fp32_outputs_and_gradients(case, interpre
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"[{i}] {m}")
 
 
-@interpreted
+@parity
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_op_in_low_precision_is_within_twice_the_reference_error(case, dtype, interpret):
+def test_fused_op_in_low_precision_is_within_twice_the_reference_error(case, dtype, triton_path):
     op, make = CASES[case]
     fused, reference, _ = KERNELS[op]
     args, kwargs = make(dtype)
@@ -330,8 +365,8 @@ def test_fused_op_in_low_precision_is_within_twice_the_reference_error(case, dty
             f"[{i}] fused error {err_fused:.3g} > 2 x reference error {err_ref:.3g} + {floor:.1g}")
 
 
-@interpreted
-def test_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_reference(interpret):
+@parity
+def test_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_reference(triton_path):
     logits = _randn(12, 40, dtype=torch.float32, seed=40, scale=3.0, grad=False) + 1e4
     logits.requires_grad_()
     target = _target((12,), 40, seed=41)
@@ -348,20 +383,20 @@ def test_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_reference(
     torch.testing.assert_close(got[0], unshifted, atol=1e-5, rtol=1e-5)
 
 
-@interpreted
-def test_cross_entropy_mean_skips_ignored_rows_and_all_ignored_gives_nan(interpret):
+@parity
+def test_cross_entropy_mean_skips_ignored_rows_and_all_ignored_gives_nan(triton_path):
     logits = _randn(8, 24, dtype=torch.float32, seed=42, grad=False)
-    target = torch.randint(0, 24, (8,), generator=_gen(43))
+    target = torch.randint(0, 24, (8,), generator=_gen(43)).to(DEVICE)
     target[:5] = -100
     loss = kernels.cross_entropy(logits, target)
     kept = torch.nn.functional.cross_entropy(logits[5:], target[5:])
     torch.testing.assert_close(loss, kept, atol=1e-5, rtol=1e-5)
-    assert torch.isnan(kernels.cross_entropy(logits, torch.full((8,), -100)))
+    assert torch.isnan(kernels.cross_entropy(logits, torch.full((8,), -100, device=DEVICE)))
 
 
-@interpreted
+@parity
 @pytest.mark.parametrize("op", ["cross_entropy", "softmax"])
-def test_row_kernels_over_several_vocab_blocks_match_reference(op, interpret, monkeypatch):
+def test_row_kernels_over_several_vocab_blocks_match_reference(op, triton_path, monkeypatch):
     # lower the block so that a 40-wide row runs the chunked (online max) path
     family = load_kernels(op)
     monkeypatch.setattr(family, "MAX_BLOCK_V" if op == "cross_entropy" else "MAX_BLOCK", 16)
@@ -373,11 +408,11 @@ def test_row_kernels_over_several_vocab_blocks_match_reference(op, interpret, mo
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-@interpreted
+@parity
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("chunk_size", [3, 4, 64])
 def test_linear_cross_entropy_equals_linear_then_cross_entropy(with_bias, chunk_size,
-                                                               interpret):
+                                                               triton_path):
     # 10 rows: chunk 3 and 4 leave a partial last chunk; 64 is one chunk bigger than the rows
     x = _randn(10, 16, dtype=torch.float32, seed=50)
     w = _randn(40, 16, dtype=torch.float32, seed=51, scale=0.5)
@@ -395,8 +430,8 @@ def test_linear_cross_entropy_equals_linear_then_cross_entropy(with_bias, chunk_
         torch.testing.assert_close(g, w_, atol=1e-5, rtol=1e-5)
 
 
-@interpreted
-def test_linear_cross_entropy_saves_no_logits_for_backward(interpret):
+@parity
+def test_linear_cross_entropy_saves_no_logits_for_backward(triton_path):
     M, H, V = 10, 16, 40
     x = _randn(M, H, dtype=torch.float32, seed=54)
     w = _randn(V, H, dtype=torch.float32, seed=55)
@@ -408,12 +443,12 @@ def test_linear_cross_entropy_saves_no_logits_for_backward(interpret):
     assert sum(t.numel() for t in small) <= 3 * M + 1
 
 
-@interpreted
-def test_linear_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_reference(interpret):
+@parity
+def test_linear_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_reference(triton_path):
     # a bias of 1e4 shifts every logit by 1e4 inside the chunked kernel
     x = _randn(10, 16, dtype=torch.float32, seed=57)
     w = _randn(40, 16, dtype=torch.float32, seed=58, scale=0.5)
-    b = (torch.full((40,), 1e4) + torch.randn(40, generator=_gen(59))).requires_grad_()
+    b = (torch.full((40,), 1e4) + torch.randn(40, generator=_gen(59))).to(DEVICE).requires_grad_()
     target = _target((10,), 40, seed=59)
     got = _run(lambda *a: kernels.linear_cross_entropy(*a, chunk_size=4), (x, w, target, b), {})
     want = _run(kernels.linear_cross_entropy_reference, (x, w, target, b), {})
@@ -422,9 +457,9 @@ def test_linear_cross_entropy_with_logits_offset_by_1e4_is_finite_and_equals_ref
         torch.testing.assert_close(g, w_, atol=1e-5, rtol=1e-5)
 
 
-@interpreted
+@parity
 @pytest.mark.parametrize("op", ["add_rms_norm", "add_layer_norm"])
-def test_add_norm_gives_separate_equal_gradients_to_x_and_residual(op, interpret):
+def test_add_norm_gives_separate_equal_gradients_to_x_and_residual(op, triton_path):
     x = _randn(6, 24, dtype=torch.float32, seed=60)
     r = _randn(6, 24, dtype=torch.float32, seed=61)
     s, y = KERNELS[op].fused(x, r)
@@ -433,9 +468,9 @@ def test_add_norm_gives_separate_equal_gradients_to_x_and_residual(op, interpret
     assert x.grad.data_ptr() != r.grad.data_ptr()
 
 
-@interpreted
+@parity
 @pytest.mark.parametrize("op", ["add_rms_norm", "add_layer_norm"])
-def test_add_norm_with_only_one_output_used_matches_reference(op, interpret):
+def test_add_norm_with_only_one_output_used_matches_reference(op, triton_path):
     # post-norm blocks (BERT) use only the normalised output; the sum alone is also legal
     for pick in (0, 1):
         args = (_randn(5, 24, dtype=torch.float32, seed=62), _randn(5, 24, dtype=torch.float32, seed=63),
@@ -446,8 +481,8 @@ def test_add_norm_with_only_one_output_used_matches_reference(op, interpret):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-@interpreted
-def test_rope_layouts_give_the_same_rotation(interpret):
+@parity
+def test_rope_layouts_give_the_same_rotation(triton_path):
     x = _randn(2, 3, 5, 16, dtype=torch.float32, seed=62, grad=False)  # (B, H, T, D)
     cos, sin = _cos_sin(5, 16, torch.float32)
     bhtd = kernels.rope(x, cos, sin, layout="bhtd")
@@ -456,14 +491,14 @@ def test_rope_layouts_give_the_same_rotation(interpret):
     assert not torch.equal(bhtd, x), "rope must rotate the input"
 
 
-@interpreted
-def test_empty_rows_are_returned_without_launching(interpret):
-    x = torch.zeros(0, 3, 16, requires_grad=True)
-    w = torch.ones(16, requires_grad=True)
+@parity
+def test_empty_rows_are_returned_without_launching(triton_path):
+    x = torch.zeros(0, 3, 16, device=DEVICE, requires_grad=True)
+    w = torch.ones(16, device=DEVICE, requires_grad=True)
     y = kernels.rms_norm(x, w)
     assert y.shape == (0, 3, 16)
     y.sum().backward()
-    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(16))
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros(16, device=DEVICE))
 
 
 def test_dispatch_falls_back_to_reference_on_cpu_when_not_forced(monkeypatch):

@@ -1,0 +1,502 @@
+"""The GPU acceptance run (what `scripts/gpu_check.sh` runs): every command and API path of
+autopar on one GPU under NCCL, in one table, within one 10-minute call.
+
+Sections, each a row (or rows) of the table, each OK or FAIL with the reason:
+
+* kernels  tests/unit/test_kernels.py: on a GPU its child runs every parity test with the
+           kernels compiled for the device (the interpreter only where there is no GPU).
+* train    parallelize at world 1 (NCCL) on a Llama-style GPT of about 1 B parameters, bf16,
+           batch 4 x 2048, AdamW: plain DP, ZeRO-1/2/3, fusions off (the default lets the cost
+           model pick the Triton fusions), recompute (memory_budget=0.5), and ZeRO-3 with
+           offload through the runtime engine (parallelize has no offload option yet). Each
+           row: the median step time, its ratio to eager PyTorch and to torch.compile measured
+           in the same run, the cost model's predicted step time and peak memory against the
+           measured ones (torch.cuda.max_memory_allocated), and the first loss against
+           eager's (same seed and batch).
+* api      parallelize + step + optimizer + checkpoint save / load + export_state_dict of a
+           small GPT on the GPU (ZeRO-3): the loss after load equals the loss before save.
+* hf       a transformers LlamaForCausalLM (bf16) through parallelize: loss against eager,
+           step time against eager.
+* cli      `autopar plan`, `dump`, `run` (torchrun, NCCL), `tune` (torchrun, NCCL),
+           `verify` and `demo` (gloo worlds on the CPU, by design) as subprocesses.
+
+`--dry-run` runs the same code on the CPU at tiny sizes (gloo world of 1, torch.compile with
+the eager backend, the kernel tests' quick subset) to show the driver works end to end
+where there is no GPU; its numbers mean nothing. The table is printed last and written to
+`--out` (default $OUT/gpu_check.txt, else out/gpu_check.txt), with each check's log or
+traceback beside it; the exit status is 1 when any row failed (or none ran), 2 on bad
+arguments. Reads and writes no node.meta keys.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    section: str
+    name: str
+    ok: bool
+    cells: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass
+class Ctx:
+    dry: bool
+    device: torch.device
+    out: Path
+    rows: list[Row] = field(default_factory=list)
+    skip: set[str] = field(default_factory=set)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def add(self, section: str, name: str, ok: bool, note: str = "", **cells: Any) -> Row:
+        row = Row(section, name, ok, {k: _fmt(v) for k, v in cells.items()}, note)
+        self.rows.append(row)
+        status = "ok" if ok else "FAIL"
+        print(f"[{time.perf_counter() - self.t0:6.1f} s] {section}/{name}: {status} "
+              + " ".join(f"{k}={v}" for k, v in row.cells.items()) + (f"  {note}" if note else ""), flush=True)
+        return row
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _guard(ctx: Ctx, section: str, name: str, fn: Callable[[], None]) -> None:
+    """Run one check; an exception becomes a FAIL row with its last line."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - every failure is a row; the run goes on
+        tb = traceback.format_exc()
+        (ctx.out.parent / f"gpu_check_{section}_{name}.traceback.txt").write_text(tb)
+        ctx.add(section, name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    finally:
+        gc.collect()
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------ kernels
+def check_kernels(ctx: Ctx) -> None:
+    args = [sys.executable, "-m", "pytest", str(ROOT / "tests/unit/test_kernels.py"), "-v", "-p", "no:cacheprovider"]
+    if ctx.dry:
+        args += ["-k", "registry or bad_arguments or dispatch_falls_back"]
+    t = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=360)
+    (ctx.out.parent / "gpu_check_kernels.log").write_text(proc.stdout + proc.stderr)
+    tail = [ln for ln in proc.stdout.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
+    summary = tail[-1].strip("= ") if tail else "no summary"
+    ok = proc.returncode == 0
+    if ctx.device.type == "cuda":  # the compiled parity tests must have run in the gpu child, not been skipped
+        launcher = [ln for ln in proc.stdout.splitlines() if "test_compiled_kernel_tests_pass_on_the_gpu" in ln]
+        ok &= bool(launcher) and all("PASSED" in ln for ln in launcher)
+        summary += "; compiled parity tests " + ("ran" if ok else "did NOT run (see gpu_check_kernels.log)")
+    ctx.add("kernels", "test_kernels.py" + (" (gpu child: compiled)" if ctx.device.type == "cuda" else " (quick subset)"),
+            ok, summary, seconds=time.perf_counter() - t)
+
+
+# ------------------------------------------------------------------------ training matrix
+def gpt_config(dry: bool):
+    from autopar.models.gpt import GPTConfig
+
+    if dry:
+        return GPTConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    # Llama-3-style, 1.1 B parameters: 16 layers x 61 M + 2 x 32000 x 2048 embeddings
+    return GPTConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                     max_seq_len=2048, rope_theta=500000.0)
+
+
+def _batches(cfg, n: int, batch: int, seq: int, device) -> list[tuple]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+        out.append(((ids[:, :-1].to(device),), ids[:, 1:].to(device)))
+    return out
+
+
+def _build(cfg, ctx: Ctx, dtype):
+    from autopar.models.gpt import GPT
+
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        return GPT(cfg).to(dtype)
+
+
+def _time_steps(ctx: Ctx, step: Callable[[int], float], warmup: int, timed: int) -> tuple[float, list[float], float | None]:
+    """(median step seconds, losses, peak bytes of one more step or None on the CPU)."""
+    losses, times = [], []
+    for i in range(warmup + timed):
+        ctx.sync()
+        t = time.perf_counter()
+        losses.append(step(i))
+        ctx.sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    peak = None
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        step(warmup + timed)
+        ctx.sync()
+        peak = float(torch.cuda.max_memory_allocated())
+    return statistics.median(times), losses, peak
+
+
+def check_training(ctx: Ctx) -> None:
+    import autopar
+    from autopar.models.gpt import loss_fn
+    from autopar.runtime.kernels import DISPATCH_COUNTS
+
+    cfg = gpt_config(ctx.dry)
+    batch, seq = (2, 16) if ctx.dry else (4, 2048)
+    warmup, timed = (1, 2) if ctx.dry else (3, 6)
+    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    tol = 1e-4 if ctx.dry else 2e-2  # the first loss against eager's: fp32 summation order; bf16 rounding
+    data = _batches(cfg, warmup + timed + 2, batch, seq, ctx.device)
+    n_params = sum(p.numel() for p in _build(cfg, Ctx(ctx.dry, torch.device("meta"), ctx.out), dtype).parameters())
+    ref: dict[str, float] = {}
+    first_loss: dict[str, float] = {}
+    gib = 2.0 ** 30
+
+    def eager(compiled: bool) -> None:
+        model = _build(cfg, ctx, dtype)
+        fwd = model
+        if compiled:
+            fwd = torch.compile(model, backend="eager") if ctx.dry else torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(i):
+            (x,), y = data[i % len(data)]
+            loss = loss_fn(fwd(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss)
+
+        t_first = time.perf_counter()
+        loss0 = step(0)  # the first step (compilation) on the first batch; the timed steps follow
+        ctx.sync()
+        first = time.perf_counter() - t_first
+        s, losses, peak = _time_steps(ctx, lambda i: step(i + 1), warmup, timed)
+        losses = [loss0] + losses
+        name = "torch.compile" if compiled else "eager"
+        ref[name] = s
+        first_loss[name] = losses[0]
+        ctx.add("train", name, all(l == l for l in losses), f"{n_params / 1e9:.2f} B params, first step {first:.1f} s",
+                step_ms=s * 1e3, x_eager=ref["eager"] / s if "eager" in ref else None,
+                x_compile=None, pred_ms=None, peak_gib=peak / gib if peak else None, pred_peak_gib=None,
+                loss0=losses[0])
+
+    def autopar_row(name: str, **opts) -> None:
+        model = _build(cfg, ctx, dtype)
+        x0 = data[0][0][0]
+        t = time.perf_counter()
+        pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=x0, **opts)
+        setup = time.perf_counter() - t
+        opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)
+        before = DISPATCH_COUNTS.copy()
+
+        def step(i):
+            (x,), y = data[i % len(data)]
+            loss = pm.step(((x,), y), loss_fn)
+            opt.step()
+            opt.zero_grad()
+            return float(loss)
+
+        s, losses, peak = _time_steps(ctx, step, warmup, timed)
+        fused = sorted({op for (op, path), n in (DISPATCH_COUNTS - before).items() if path == "triton" and n})
+        pred = pm.plan.predicted.get("estimate", pm.plan.predicted)
+        pred_s, pred_peak = pred.get("step_s"), pred.get("peak_bytes")
+        loss_ok = abs(losses[0] - first_loss["eager"]) <= tol * abs(first_loss["eager"])
+        ok = loss_ok and all(l == l for l in losses)
+        if name == "fusions off":
+            ok &= not fused
+        note = (f"setup {setup:.1f} s; fusions {pm.plan.fusions or 'none'}; triton ran {fused or 'nothing'}"
+                + ("" if loss_ok else f"; first loss {losses[0]:.4f} vs eager {first_loss['eager']:.4f}"))
+        ctx.add("train", f"autopar {name}", ok, note, step_ms=s * 1e3, x_eager=ref.get("eager", 0) / s,
+                x_compile=ref["torch.compile"] / s if "torch.compile" in ref else None,
+                pred_ms=pred_s * 1e3 if pred_s else None, pred_over_meas=pred_s / s if pred_s else None,
+                peak_gib=peak / gib if peak else None, pred_peak_gib=pred_peak / gib if pred_peak else None,
+                loss0=losses[0])
+        del pm, opt, model
+
+    def offload_row() -> None:
+        from autopar.runtime import collectives as C
+        from autopar.runtime.zero import make_engine
+
+        mesh = autopar.mesh(dp=1)
+        C.set_active_mesh(mesh)
+        torch.manual_seed(0)
+        from autopar.models.gpt import GPT
+
+        with torch.device(ctx.device):
+            model = GPT(cfg)  # fp32 masters on the CPU; the model computes in param_dtype
+        engine = make_engine(model, mesh, "dp", stage=3, offload=True,
+                             param_dtype=None if ctx.dry else torch.bfloat16)
+        opt = engine.make_optimizer(torch.optim.AdamW, lr=1e-4)
+
+        def step(i):
+            (x,), y = data[i % len(data)]
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            engine.finish_backward()
+            opt.step()
+            opt.zero_grad()
+            return float(loss)
+
+        s, losses, peak = _time_steps(ctx, step, 1, 3)  # the update runs on the CPU: fewer steps
+        on_cpu = engine.memory_report() if hasattr(engine, "memory_report") else None
+        ok = all(l == l for l in losses) and abs(losses[0] - first_loss["eager"]) <= tol * abs(first_loss["eager"])
+        ctx.add("train", "runtime ZeRO-3 + offload", ok, f"engine on the eager module (fp32 masters + AdamW on the "
+                f"CPU); memory {json.dumps(on_cpu, default=str)[:120] if on_cpu else '-'}",
+                step_ms=s * 1e3, x_eager=ref.get("eager", 0) / s,
+                x_compile=ref["torch.compile"] / s if "torch.compile" in ref else None,
+                peak_gib=peak / gib if peak else None, loss0=losses[0])
+        engine.remove()
+
+    _guard(ctx, "train", "eager", lambda: eager(False))
+    if "eager" not in ref:
+        return
+    _guard(ctx, "train", "torch.compile", lambda: eager(True))
+    for name, opts in (("dp", {}), ("zero1", {"zero_stage": 1}), ("zero2", {"zero_stage": 2}),
+                       ("zero3", {"zero_stage": 3}), ("fusions off", {"pins": {"fusions": []}}),
+                       ("recompute 0.5", {"memory_budget": 0.5})):
+        _guard(ctx, "train", f"autopar {name}", lambda n=name, o=opts: autopar_row(n, **o))
+    _guard(ctx, "train", "offload", offload_row)
+
+
+# ------------------------------------------------------------------------ API on the device
+def check_api(ctx: Ctx) -> None:
+    import autopar
+    from autopar.models.gpt import GPT, GPTConfig, loss_fn
+
+    cfg = GPTConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=64)
+    data = _batches(cfg, 3, 4, 32, ctx.device)
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = GPT(cfg)
+    pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=data[0][0][0], zero_stage=3)
+    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    for b in data[:2]:
+        pm.step(b, loss_fn)
+        opt.step()
+        opt.zero_grad()
+    ck = ctx.out.parent / "gpu_check_ckpt"
+    autopar.save(pm, ck / "step2", optimizer=opt, step=2, overwrite=True)
+    (x,), y = data[2]
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return float(loss_fn(pm(x), y))
+
+    want = eval_loss()
+    pm.step(data[2], loss_fn)  # move away from the checkpoint: load must bring it back
+    opt.step()
+    opt.zero_grad()
+    moved = eval_loss()
+    meta = autopar.load(pm, ck / "step2", optimizer=opt)
+    got = eval_loss()
+    full = autopar.export_state_dict(pm, ck / "export.safetensors", like=model)
+    on_device = sorted({p.device.type for p in pm.parameters()})
+    ok = abs(got - want) <= 1e-5 * max(1.0, abs(want)) and moved != want and meta.get("step") == 2 and len(full) > 0
+    ok &= on_device == [ctx.device.type]
+    ctx.add("api", "save / load / export (ZeRO-3)", ok, f"loss after load {got:.6f} vs at save {want:.6f} (moved to "
+            f"{moved:.6f}); {len(full)} tensors exported; parameters on {on_device}")
+
+
+# ------------------------------------------------------------------------ transformers Llama
+def check_hf(ctx: Ctx) -> None:
+    import transformers
+
+    import autopar
+
+    kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2) if ctx.dry else \
+        dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+             num_attention_heads=16, num_key_value_heads=4)
+    batch, seq = (2, 16) if ctx.dry else (4, 1024)
+    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    cfg = transformers.LlamaConfig(use_cache=False, max_position_embeddings=max(seq, 64), **kw)
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(6):
+        ids = torch.randint(0, kw["vocab_size"], (batch, seq), generator=g).to(ctx.device)
+        batches.append({"input_ids": ids, "labels": ids})
+
+    def build():
+        torch.manual_seed(0)
+        with torch.device(ctx.device):
+            return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def eager_step(i):
+        loss = model(**batches[i % len(batches)])["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    s_eager, l_eager, _ = _time_steps(ctx, eager_step, 1, 3)
+    del model, opt
+    model = build()
+    pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=batches[0])
+    popt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)
+
+    def step(i):
+        loss = pm.step((batches[i % len(batches)], None), lambda out, _: out["loss"])
+        popt.step()
+        popt.zero_grad()
+        return float(loss)
+
+    s, losses, peak = _time_steps(ctx, step, 1, 3)
+    tol = 1e-4 if ctx.dry else 2e-2
+    ok = abs(losses[0] - l_eager[0]) <= tol * abs(l_eager[0]) and all(l == l for l in losses)
+    ctx.add("hf", f"LlamaForCausalLM (transformers {transformers.__version__})", ok,
+            f"loss0 {losses[0]:.4f} vs eager {l_eager[0]:.4f}; fusions {pm.plan.fusions or 'none'}",
+            step_ms=s * 1e3, x_eager=s_eager / s, peak_gib=peak / 2**30 if peak else None)
+
+
+# ------------------------------------------------------------------------ command line
+def _cli(ctx: Ctx, name: str, args: list[str], *, timeout: float, expect: str | None = None,
+         env: dict | None = None) -> bool:
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "autopar", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **(env or {})})
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+        text = text.decode() if isinstance(text, bytes) else text
+    (ctx.out.parent / f"gpu_check_cli_{name}.log").write_text(f"$ autopar {' '.join(args)}\n{text}")
+    ok = rc == 0 and (expect is None or expect in text)
+    last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), "")
+    ctx.add("cli", name, ok, f"rc {rc}: {last[:150]}", seconds=time.perf_counter() - t)
+    return ok
+
+
+def check_cli(ctx: Ctx) -> None:
+    d = ctx.out.parent / "gpu_check_cli"
+    d.mkdir(parents=True, exist_ok=True)
+    hw = "cpu-gloo" if ctx.dry else "h100-sxm"
+    plan = d / "plan.json"
+    if not _cli(ctx, "plan", ["plan", "gpt-tiny", "--mesh", "dp=1", "--hardware", hw, "--out", str(plan),
+                              "--no-progress"], timeout=120):
+        return
+    _cli(ctx, "dump", ["dump", "gpt-tiny", "--mesh", "dp=1", "--hardware", hw, "--out", str(d / "dump"),
+                       "--no-progress"], timeout=120)
+    _cli(ctx, "run", ["run", "gpt-tiny", "--plan", str(plan), "--steps", "5", "--job-dir", str(d / "run")],
+         timeout=180, expect="trained gpt-tiny")
+    if "tune" not in ctx.skip:
+        _cli(ctx, "tune", ["tune", "gpt-tiny", "--mesh", "dp=1", "--hardware", hw, "--top", "2", "--warmup", "1",
+                           "--steps", "3", "--sizes", "4096,1048576", "--out", str(d / "tune"), "--fresh",
+                           "--no-progress"], timeout=300)
+    _cli(ctx, "verify", ["verify", "gpt-tiny", "--plan", str(plan), "--steps", "2", "--no-progress"], timeout=180,
+         expect="parity: OK")
+    if "demo" not in ctx.skip:
+        _cli(ctx, "demo", ["demo", "--world-size", "2", "--steps", "2", "--out", str(d / "demo")], timeout=180,
+             expect="parity: OK")
+
+
+# ------------------------------------------------------------------------ table
+def table(ctx: Ctx) -> str:
+    cols = ["step_ms", "x_eager", "x_compile", "pred_ms", "pred_over_meas", "peak_gib", "pred_peak_gib", "loss0",
+            "seconds"]
+    used = [c for c in cols if any(c in r.cells for r in ctx.rows)]
+    head = ["section", "check", "status", *used, "note"]
+    body = [[r.section, r.name, "ok" if r.ok else "FAIL", *[r.cells.get(c, "") for c in used], r.note]
+            for r in ctx.rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    widths[-1] = min(widths[-1], 100)
+    line = lambda cells: " | ".join(str(c)[:w].ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    dev = torch.cuda.get_device_name() if ctx.device.type == "cuda" else "CPU (dry run: numbers mean nothing)"
+    import importlib.metadata as md
+
+    def ver(p):
+        try:
+            return md.version(p)
+        except md.PackageNotFoundError:
+            return "-"
+
+    top = (f"autopar GPU check on {dev}: torch {torch.__version__}, triton {ver('triton')}, transformers "
+           f"{ver('transformers')}, python {sys.version.split()[0]}; {sum(r.ok for r in ctx.rows)} ok, "
+           f"{sum(not r.ok for r in ctx.rows)} failed, {time.perf_counter() - ctx.t0:.0f} s")
+    return "\n".join([top, line(head), "-+-".join("-" * w for w in widths), *map(line, body)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="the same checks on the CPU at tiny sizes")
+    p.add_argument("--out", default=None, help="table file (default $OUT/gpu_check.txt, else out/gpu_check.txt)")
+    p.add_argument("--skip", default="", help="comma list of sections or CLI commands to skip: "
+                                              "kernels,train,api,hf,cli,tune,demo")
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not a.dry_run:
+        print("error: no GPU is visible; run with --dry-run to check this script on the CPU", file=sys.stderr)
+        return 2
+    out = Path(a.out or os.path.join(os.environ.get("OUT") or "out", "gpu_check.txt"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu") if a.dry_run else torch.device("cuda", 0)
+    ctx = Ctx(a.dry_run, device, out, skip={s.strip() for s in a.skip.split(",") if s.strip()})
+    if a.dry_run:
+        torch.set_num_threads(1)  # tiny shapes: threads only contend with the machine's other work
+    else:
+        torch.cuda.set_device(device)
+    from autopar.runtime.launch import free_port, init_job_process_group
+
+    os.environ.setdefault("LOCAL_RANK", "0")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init_job_process_group(backend, timeout_s=300, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                           world_size=1)
+    try:
+        for section, fn in (("kernels", check_kernels), ("train", check_training), ("api", check_api),
+                            ("hf", check_hf)):
+            if section not in ctx.skip:
+                _guard(ctx, section, section, lambda f=fn: f(ctx))
+    finally:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if "cli" not in ctx.skip:  # subprocesses: their own process groups (torchrun, gloo worlds)
+        _guard(ctx, "cli", "cli", lambda: check_cli(ctx))
+    return finish(ctx)
+
+
+def finish(ctx: Ctx) -> int:
+    """Print the table, write it to ctx.out; the exit status: 0 only when rows ran and all passed."""
+    text = table(ctx)
+    ctx.out.write_text(text)
+    print("\n" + text + f"written to {ctx.out}")
+    return 0 if ctx.rows and all(r.ok for r in ctx.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

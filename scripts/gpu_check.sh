@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU acceptance run: one GPU, one 10-minute call. Installs autopar offline against the
+# machine's own torch, then runs scripts/gpu_check.py: the kernel tests compiled on the GPU,
+# parallelize at world 1 under NCCL on a ~1 B-parameter GPT (plain DP, ZeRO-1/2/3, offload,
+# recompute, fusions on/off) against eager PyTorch and torch.compile with predicted vs
+# measured step time and peak memory, checkpoint save / load / export on the GPU, a
+# transformers Llama, and `autopar plan / dump / run / tune / verify / demo`.
+# Prints one table, writes it to $OUT/gpu_check.txt (or out/gpu_check.txt, or --out FILE),
+# logs beside it; exits non-zero on any failure.
+#   bash scripts/gpu_check.sh             on the GPU machine
+#   bash scripts/gpu_check.sh --dry-run   the same checks on the CPU at tiny sizes
+#   bash scripts/gpu_check.sh --skip tune,demo   leave sections or commands out
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [[ " $* " != *" --no-install "* ]]; then
+    # no network there: the machine's torch, triton, transformers, safetensors ... stay as they are
+    python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q || {
+        echo "gpu_check: installing autopar (pip install --no-deps --no-build-isolation --no-index -e .) failed" >&2
+        exit 1
+    }
+fi
+args=()
+for a in "$@"; do [[ "$a" == "--no-install" ]] || args+=("$a"); done
+exec python3 scripts/gpu_check.py ${args[@]+"${args[@]}"}
