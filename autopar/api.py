@@ -20,7 +20,9 @@ from autopar.runtime._torch_compat import pytree
 
 from autopar.build.materialize import has_meta_tensors, materialize, open_weights
 from autopar.build.model_tensors import model_tensors
-from autopar.capture import capture
+from autopar.build.plan_check import axis_notes, check_mesh_fits, check_plan_against_graph, stamp
+from autopar.capture import CaptureError, capture
+from autopar.input_checks import check_captured_graph, check_example_inputs, check_step_batch, explain_capture_failure
 from autopar.passes import ir
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
@@ -76,7 +78,9 @@ class ParallelModel(nn.Module):
         return self.program(*args, **kwargs)
 
     def step(self, batch, loss_fn, n_microbatches: int | None = None) -> torch.Tensor:
-        return self.program.step(batch, loss_fn, n_microbatches or self._plan.n_microbatches)
+        n = n_microbatches or self._plan.n_microbatches
+        check_step_batch(batch, self.global_graph, self.mesh, dp_axis=self._plan.dp_axis, n_microbatches=n)
+        return self.program.step(batch, loss_fn, n)
 
     def plan_text(self) -> str:
         from autopar.report import plan_text
@@ -161,6 +165,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     if dist.is_initialized() and dist.get_world_size() != mesh.world_size:
         raise ValueError(f"{mesh} has {mesh.world_size} ranks but the job has world size "
                          f"{dist.get_world_size()}; choose axis sizes whose product is {dist.get_world_size()}")
+    check_example_inputs(example_inputs, mesh, plan, n_microbatches=(pins or {}).get("n_microbatches", n_microbatches))
+    plan_given = plan is not None
     on_meta = has_meta_tensors(model)
     if on_meta:
         sync_init = False  # every rank fills its own pieces from the same source: nothing to broadcast
@@ -169,22 +175,35 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     fusions_pinned = plan is not None or "fusions" in (pins or {})
     kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}  # model(**batch), as in HF
     args = () if kwargs else tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+
+    def _capture(a, kw):
+        try:
+            return capture(model, a, example_kwargs=kw, leaf_modules=leaf_modules, device=run_device)
+        except CaptureError:
+            why = explain_capture_failure(model, example_inputs)
+            if why is None:
+                raise
+            raise why from None
+
     global_gm = None
     if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
-        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules, device=run_device)
+        global_gm = _capture(args, kwargs)
         plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), pins, zero_stage, bucket_mb, n_microbatches, hardware,
                                  memory_limit)
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
         fusions_pinned = True  # so are the fusions (chosen by the planner)
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
-    for t in pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % (dp * plan.n_microbatches):
-            raise ValueError(f"the example batch has {t.shape[0]} rows, which does not divide by "
-                             f"dp={dp} x micro-batches={plan.n_microbatches}; use a batch size that is a "
-                             f"multiple of {dp * plan.n_microbatches}")
+    check_example_inputs(example_inputs, mesh, plan)
     if global_gm is None:
-        global_gm = capture(model, args, example_kwargs=kwargs, leaf_modules=leaf_modules, device=run_device)
+        global_gm = _capture(args, kwargs)
+    check_captured_graph(global_gm, example_inputs)
+    if plan_given:
+        plan.notes += check_plan_against_graph(plan, global_gm, mesh)
+    else:
+        if not getattr(mesh, "searched", False):
+            check_mesh_fits(global_gm, mesh)
+        stamp(plan, global_gm)
     local_gm = _fresh(global_gm)
     if dp > 1 and _batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
@@ -192,8 +211,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         k = dp * plan.n_microbatches
         local_args, local_kwargs = pytree.tree_map(
             lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t, (args, kwargs))
-        local_gm = _fresh(capture(model, local_args, example_kwargs=local_kwargs, leaf_modules=leaf_modules,
-                                   device=run_device))
+        local_gm = _fresh(_capture(local_args, local_kwargs))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))
@@ -215,6 +233,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         static = _batch_is_static(global_gm)
         _search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
                         1 if static else dp * plan.n_microbatches)
+    plan.notes += [n for n in axis_notes(plan) if n not in plan.notes]
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
                       options={"device": mesh.device})
     pm = PassManager([retarget_device, split_batch, shard, expert, sync_batchnorm, zero, fuse], dump_dir=dump_dir)

@@ -10,6 +10,13 @@ A checkpoint written under one plan loads under any other (dp, tp, pp, ZeRO stag
 size): this layer hands the runtime what it cannot know — the plan's tensor-parallel layouts,
 the unsharded shapes and the tied names of the captured model — as plain data.
 
+Failures: a save that cannot write raises `CheckpointSaveError` (a RuntimeError and an
+OSError: its errno, e.g. ENOSPC or EROFS, and the path) on every rank and keeps nothing of
+itself; the previous checkpoints are untouched. Staging directories of saves a crash
+interrupted are removed by the next save into the same directory (or `clean_staging(root)`).
+A damaged or partial checkpoint is refused by `load` with a CheckpointError naming what is
+missing.
+
 Faults: `init_restartable()` starts a torchrun job so that `--max-restarts` can restart it;
 `fault_guard(timeout_s)` names a rank that stopped answering when a collective fails;
 `bounded_mesh(timeout_s, dp=.., tp=..)` is `autopar.mesh` whose groups time out, so that a
@@ -29,12 +36,13 @@ import torch.distributed as dist
 
 from autopar.runtime import checkpoint as ck
 from autopar.runtime.checkpoint import CheckpointError, SaveHandle, latest_checkpoint, verify_checkpoint
+from autopar.runtime.checkpoint_save import CheckpointSaveError, clean_staging
 from autopar.runtime.faults import FaultGuard, RankUnresponsiveError, bounded_device_mesh, init_restartable
 from autopar.runtime.mesh import Mesh, make_mesh
 
 __all__ = ["save", "load", "latest_checkpoint", "verify_checkpoint", "export_state_dict", "import_state_dict",
-           "fault_guard", "bounded_mesh", "init_restartable", "CheckpointError", "RankUnresponsiveError",
-           "SaveHandle"]
+           "fault_guard", "bounded_mesh", "init_restartable", "CheckpointError", "CheckpointSaveError",
+           "RankUnresponsiveError", "SaveHandle", "clean_staging"]
 
 
 def _model_info(model) -> dict[str, Any]:
@@ -54,6 +62,13 @@ def _model_info(model) -> dict[str, Any]:
             "aliases": [sorted(g) for g in by_id.values() if len(g) > 1]}
 
 
+def _check_path(path, what: str) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{what}: the checkpoint path must be a string or os.PathLike, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError(f"{what}: the checkpoint path is empty; give a directory such as 'ckpt/step_100'")
+
+
 def _with_optimizer(model, optimizer) -> bool:
     if optimizer is None:
         return False
@@ -70,7 +85,12 @@ def save(model, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None
     Collective: call it on every rank. Atomic: the directory appears complete or not at all.
     `step` and `extra` (JSON data) come back from `load`. With `async_save`, tensors are copied
     to CPU memory and written in the background: the returned handle's `wait()` finishes it
-    (the next save or load waits for it too)."""
+    (the next save or load waits for it too).
+
+    Raises CheckpointSaveError when writing fails (the OSError's errno and path; nothing kept);
+    the next save reports an asynchronous save that failed unseen. ValueError for bad
+    arguments, before anything is written."""
+    _check_path(path, "save")
     info = _model_info(model)
     return ck.save_checkpoint(os.fspath(path), model.engine, model.mesh, **info,
                               optimizer=_with_optimizer(model, optimizer), step=step, extra=extra,
@@ -87,6 +107,9 @@ def load(model, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None
     if path is None:
         raise ValueError("no checkpoint path given (latest_checkpoint(root) returns None when the root has "
                          "no complete checkpoint)")
+    _check_path(path, "load")
+    if verify not in ("full", "size", "none"):
+        raise ValueError(f"verify must be 'full', 'size' or 'none', got {verify!r}")
     info = _model_info(model)
     m = ck.load_checkpoint(os.fspath(path), model.engine, model.mesh, **info,
                            optimizer=_with_optimizer(model, optimizer), strict=strict, verify=verify)

@@ -308,9 +308,20 @@ def cmd_tune(a) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hardware = a.hardware or ("h100-8x" if device == "cuda" else "cpu-gloo")
-    sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else None
+    try:
+        sizes = [int(x) for x in a.sizes.split(",")] if a.sizes else None
+    except ValueError:
+        raise ValueError(f"--sizes {a.sizes!r}: give message sizes in bytes separated by commas, e.g. "
+                         "1024,1048576") from None
+    if sizes is not None and any(x < 1 for x in sizes):
+        raise ValueError(f"--sizes {a.sizes!r}: message sizes must be >= 1 byte")
+    batch = a.batch
+    if mesh:  # before any process starts or any file is written: the mesh must fit the model
+        from autopar.planning import check_mesh_for_model  # noqa: PLC0415
+
+        batch = check_mesh_for_model(a.model, mesh, batch, a.seq)
     cfg = TuneConfig(model=a.model, out=a.out, hardware=hardware, mesh=mesh, world_size=a.world_size,
-                     batch=a.batch, seq=a.seq, top=a.top, warmup=a.warmup, steps=a.steps, quick=not a.full,
+                     batch=batch, seq=a.seq, top=a.top, warmup=a.warmup, steps=a.steps, quick=not a.full,
                      sizes=sizes, launcher=a.launcher, device=device)
     with Progress(not a.no_progress) as prog:
         res = tune(cfg, fresh=a.fresh, say=prog.say, event=prog.event)
@@ -333,10 +344,7 @@ def cmd_run(a) -> int:
     if not os.path.exists(a.plan):
         raise ValueError(f"--plan {a.plan} does not exist; make one with `autopar plan ... --out plan.json`, "
                          "`autopar dump` or `autopar tune`")
-    try:
-        plan = Plan.from_json(open(a.plan).read())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--plan {a.plan} is not valid JSON: {e}") from None
+    plan = Plan.load(a.plan)
     plan_path = os.path.abspath(a.plan)
     world = plan.world_size
     cli = plan.extra.get("cli", {})
@@ -347,14 +355,16 @@ def cmd_run(a) -> int:
         target = [os.path.abspath(a.target), *args]
         what = f"{a.target} (reads the plan from $AUTOPAR_PLAN)"
     else:
-        from autopar.model_source import resolve
-
-        resolve(a.target)  # a clear error now rather than on every rank
         for n in ("steps", "batch", "seq"):
             _positive(f"--{n}", getattr(a, n))
-        job = {"kind": "train", "model": a.target, "plan": plan_path, "steps": a.steps,
-               "batch": a.batch or cli.get("batch") or max(8, plan.dp * plan.n_microbatches),
-               "seq": a.seq if a.seq is not None else cli.get("seq"), "lr": a.lr}
+        from autopar.planning import batch_split, check_batch_split, check_plan_fits  # noqa: PLC0415
+
+        batch = a.batch or cli.get("batch") or max(8, batch_split(plan))
+        seq = a.seq if a.seq is not None else cli.get("seq")
+        check_batch_split(batch, plan, "--batch" if a.batch else "the plan's batch (plan.extra['cli']['batch'])")
+        check_plan_fits(a.target, plan, batch, seq)  # a clear error now rather than on every rank
+        job = {"kind": "train", "model": a.target, "plan": plan_path, "steps": a.steps, "batch": batch,
+               "seq": seq, "lr": a.lr}
         job_dir = a.job_dir or tempfile.mkdtemp(prefix="autopar_run_")
         os.makedirs(job_dir, exist_ok=True)
         job_path = os.path.abspath(os.path.join(job_dir, "job.json"))
@@ -366,9 +376,11 @@ def cmd_run(a) -> int:
     if a.slurm:
         nodes = a.nodes
         gpn = a.gpus_per_node or -(-world // nodes)
-        if nodes * gpn != world:
+        if nodes < 1 or gpn < 1 or nodes * gpn != world:
+            fits = ", ".join(f"{n} x {world // n}" for n in range(1, world + 1) if world % n == 0)
             raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpn} = {nodes * gpn} ranks, but the plan's mesh "
-                             f"{plan.mesh} has {world}; choose them so that the product is {world}")
+                             f"{plan.mesh} has {world}; choose them so that the product is {world} "
+                             f"(nodes x ranks per node: {fits})")
         text = slurm_script(job_name=f"autopar-{os.path.basename(a.target).removesuffix('.py')}", nodes=nodes,
                             gpus_per_node=gpn, target=target, env=env, partition=a.partition, time_limit=a.time)
         with open(a.slurm, "w") as f:
@@ -404,9 +416,14 @@ def cmd_verify(a) -> int:
         if a.mesh or a.world_size:
             raise ValueError("give either --plan or --mesh/--world-size (to plan first), not both")
         if not os.path.exists(a.plan):
-            raise ValueError(f"--plan {a.plan} does not exist")
-        plan = Plan.from_json(open(a.plan).read())
+            raise ValueError(f"--plan {a.plan} does not exist; make one with `autopar plan ... --out plan.json`")
+        plan = Plan.load(a.plan)
         source = f"plan {a.plan}"
+        if a.max_procs >= plan.world_size:  # (verify refuses larger plans itself, before any capture)
+            from autopar.planning import check_plan_fits  # noqa: PLC0415
+            from autopar.verify import small_batch  # noqa: PLC0415
+
+            check_plan_fits(a.model, plan, small_batch(plan, a.batch), a.seq, small_seq=True)
     elif a.mesh or a.world_size:
         with Progress(not a.no_progress) as prog:
             r = _plan_result(argparse.Namespace(**{**vars(a), "top": 1}), prog)
@@ -575,12 +592,13 @@ def main(argv: list[str] | None = None) -> int:
         a.args = script_args
     if a.cmd is None:
         a = parser.parse_args(["demo", *argv])
+    from autopar.capture import CaptureError
     from autopar.launcher import LaunchError
     from autopar.runtime.launch import WorldError
 
     try:
         return a.fn(a)
-    except ValueError as e:
+    except (ValueError, CaptureError) as e:  # bad input: the model, the mesh, a plan file, an argument
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (LaunchError, WorldError) as e:

@@ -111,7 +111,10 @@ def _build_hf(config_path: str) -> nn.Module:
     kind = d.pop("model_type", None)
     if kind is None:
         raise ValueError(f"{config_path} has no 'model_type'; a transformers config.json names its architecture")
-    cfg = AutoConfig.for_model(kind, **d)
+    try:
+        cfg = AutoConfig.for_model(kind, **d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: transformers cannot build a config of model_type {kind!r}: {e}") from None
     cfg.use_cache = False
     return AutoModelForCausalLM.from_config(cfg)
 
@@ -129,11 +132,18 @@ def _transformers(text: str, config_path: Path) -> ModelSource:
         d = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{config_path} holds a JSON {type(d).__name__}, not a transformers config (an object "
+                         "with model_type, vocab_size ...)")
     vocab = d.get("vocab_size")
     if not isinstance(vocab, int):
         raise ValueError(f"{config_path} has no integer vocab_size; only causal language models are built from "
                          "a config (AutoModelForCausalLM)")
-    max_seq = int(d.get("max_position_embeddings") or d.get("n_positions") or 2048)
+    max_seq = d.get("max_position_embeddings") or d.get("n_positions") or 2048
+    if not isinstance(max_seq, int) or isinstance(max_seq, bool) or max_seq < 1:
+        raise ValueError(f"{config_path}: max_position_embeddings must be a positive integer, got {max_seq!r}")
     name = d.get("_name_or_path") or config_path.parent.name or config_path.stem
     batch = functools.partial(_hf_batch, vocab_size=vocab, max_seq_len=max_seq)
     return ModelSource(text, f"{d.get('model_type', '?')}:{name}", "transformers",
@@ -156,9 +166,16 @@ def _module_batch(batch_size: int, *, seq_len: int | None = None, generator: tor
                   device: Any = "cpu", fn: Callable):
     if generator is not None:
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
-    with torch.device("cpu"):
-        x = fn(batch_size, seq_len)
+    where = f"{getattr(fn, '__module__', '?')}.example_inputs({batch_size}, {seq_len})"
+    try:
+        with torch.device("cpu"):
+            x = fn(batch_size, seq_len)
+    except Exception as e:  # noqa: BLE001 - the user's function: say which call failed, in one line
+        raise ValueError(f"{where} failed: {type(e).__name__}: {e}") from None
     x = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    if not any(isinstance(t, torch.Tensor) for t in x):
+        raise ValueError(f"{where} returned {[type(t).__name__ for t in x]}; it must return the model's input "
+                         "tensors (a tensor or a tuple of tensors)")
     if torch.device(device).type == "meta":
         x = tuple(torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t for t in x)
     else:
@@ -179,9 +196,11 @@ def _factory(text: str) -> ModelSource:
     if not callable(factory):
         raise ValueError(f"{mod_name} has no callable {attr!r} (model {text!r}); "
                          f"callables there: {sorted(k for k, v in vars(mod).items() if callable(v))[:12]}")
-    probe = None
-    with torch.device("meta"):
-        probe = factory()
+    try:
+        with torch.device("meta"):
+            probe = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory: name it and its error in one line
+        raise ValueError(f"calling {text}() (on the meta device) failed: {type(e).__name__}: {e}") from None
     if isinstance(probe, ModelSpec):
         spec = probe
         return ModelSource(text, spec.name, "factory", spec.build, spec.example_batch, spec.loss_fn,

@@ -7,6 +7,7 @@
   rank_graph(global_gm, plan, rank)        one rank's rewritten graph (on meta), as
                                            `autopar.parallelize` would run it
   predict(global_gm, plan, hardware)       the cost model's prediction of a plan
+  check_plan_fits(model, plan, batch, seq) a plan file against the model it is run with (meta)
 
 Which search runs: the joint planner (`autopar.search.planner.plan_for`) when it imports
 (its alternatives come back as summaries: `materialise(result, i)` re-plans one with its
@@ -20,7 +21,13 @@ the ZeRO stages (and micro-batch counts for pp). Candidates that do not fit the 
 `PlanResult.planner` says which search ran and why.
 
 Plans are stamped with what made them in `plan.extra["cli"]` (model, batch, seq, hardware),
-which `autopar run` and `verify` read back.
+which `autopar run` and `verify` read back, and with the captured graph's fingerprint
+(`plan.graph`, autopar/build/plan_check.stamp), so that a plan file given to another model
+is refused. A fixed mesh is checked against the model before the search
+(`plan_check.check_mesh_fits`: an axis that cannot split it is a ValueError naming the
+dimension and the sizes that can); an axis of size > 1 left sharding nothing gets a warning
+in the best plan's notes. A mesh with an ep axis gets its expert entry
+(`plan.extra["expert"]`, as parallelize makes it) and rank graphs run the expert pass.
 
 Reads and writes node.meta only through the passes and searches it calls. Deterministic:
 the same inputs give the same plans and the same order.
@@ -38,6 +45,7 @@ import torch.fx as fx
 from autopar.capture import capture
 from autopar.cost import Estimate, Hardware, analyze, estimate, load_profile
 from autopar.model_source import ModelSource
+from autopar.passes.expert import expert
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.shard import shard
@@ -46,7 +54,9 @@ from autopar.passes.sync_batchnorm import sync_batchnorm
 from autopar.passes.zero import zero
 from autopar.runtime.mesh import AXIS_ORDER, Mesh
 
-KNOWN_AXES = ("pp", "dp", "tp")
+from autopar.build.plan_check import axis_notes, check_mesh_fits, stamp
+
+KNOWN_AXES = ("pp", "dp", "ep", "tp")
 
 
 @dataclass
@@ -107,21 +117,26 @@ class PlanResult:
 
 # ------------------------------------------------------------------------ parsing
 def parse_mesh(text: str) -> dict[str, int]:
-    """'dp=8,tp=8' -> {"dp": 8, "tp": 8} in the canonical axis order (pp, dp, ..., tp)."""
+    """'dp=8,tp=8' -> {"dp": 8, "tp": 8} in the canonical axis order (pp, dp, ep, tp). Every
+    axis the README documents is accepted: pp, dp, ep, tp."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("--mesh is empty; write it as name=size pairs, e.g. dp=8,tp=8")
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         axis, eq, size = part.partition("=")
         if not eq or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh {text!r}: each axis is name=size with a positive size, e.g. dp=8,tp=8")
+            raise ValueError(f"--mesh {text!r}: each axis is name=size with a positive size, e.g. dp=8,tp=8 "
+                             f"(got {part!r})")
         axis = axis.strip()
         if axis not in KNOWN_AXES:
-            raise ValueError(f"--mesh {text!r}: axis {axis!r} is not one this version plans "
-                             f"({', '.join(KNOWN_AXES)}); expert parallelism needs its pass first")
+            what = " (context parallelism is not carried out by this version)" if axis == "cp" else ""
+            raise ValueError(f"--mesh {text!r}: axis {axis!r} is not one this version runs{what}; the axes are "
+                             f"{', '.join(KNOWN_AXES)}")
         if axis in out:
             raise ValueError(f"--mesh {text!r} names axis {axis!r} twice")
         out[axis] = int(size)
     if not out:
-        raise ValueError("--mesh is empty; write it as dp=8,tp=8")
+        raise ValueError("--mesh is empty; write it as name=size pairs, e.g. dp=8,tp=8")
     out.setdefault("dp", 1)
     return {a: out[a] for a in AXIS_ORDER if a in out}
 
@@ -131,13 +146,65 @@ def default_batch(world_size: int) -> int:
     return max(8, world_size)
 
 
+def batch_split(plan: Plan) -> int:
+    """Rows one global batch splits into under `plan`: dp x ep x micro-batches."""
+    return plan.dp * plan.mesh.get("ep", 1) * plan.n_microbatches
+
+
+def check_batch_split(batch: int, plan: Plan, what: str = "--batch") -> None:
+    """ValueError when `batch` rows do not split under `plan` (naming `what` and a multiple that does)."""
+    k = batch_split(plan)
+    if batch % k:
+        raise ValueError(f"{what} {batch} does not divide by dp x ep x micro-batches = {k} under the plan's mesh "
+                         f"{plan.mesh}; use a multiple of {k} (e.g. {k * max(1, -(-batch // k))})")
+
+
+def check_plan_fits(model_text: str, plan: Plan, batch: int, seq: int | None, small_seq: bool = False) -> None:
+    """Capture the model `model_text` names on meta and check that `plan` fits it (every name
+    and size it gives; its fingerprint): a ValueError naming what does not fit, before any
+    process starts. `small_seq`: with no `seq`, capture at the length `verify` runs at."""
+    from autopar.build.plan_check import check_plan_against_graph  # noqa: PLC0415
+    from autopar.model_source import resolve  # noqa: PLC0415
+
+    source = resolve(model_text)
+    if seq is None and small_seq and source.default_seq:
+        seq = min(source.default_seq, 16)
+    gm = capture_meta(source, batch, seq if seq is not None else source.default_seq)
+    check_plan_against_graph(plan, gm, dict(plan.mesh))
+
+
+def check_mesh_for_model(model_text: str, mesh: Mapping[str, int], batch: int | None, seq: int | None) -> int:
+    """Capture the model on meta and check that the fixed `mesh` can split it
+    (`plan_check.check_mesh_fits`) and `batch` (dp x ep); returns the batch (a default that
+    splits when None). ValueError naming what does not fit."""
+    from autopar.model_source import resolve  # noqa: PLC0415
+
+    k = mesh.get("dp", 1) * mesh.get("ep", 1)
+    if batch is not None and batch % k:
+        raise ValueError(f"--batch {batch} does not divide by dp x ep = {k} on the mesh {_mesh_text(mesh)}; use a "
+                         f"multiple of {k} (e.g. {k * max(1, -(-batch // k))})")
+    batch = batch or k * max(1, -(-default_batch(math.prod(mesh.values())) // k))
+    source = resolve(model_text)
+    check_mesh_fits(capture_meta(source, batch, seq if seq is not None else source.default_seq), mesh)
+    return batch
+
+
 # ------------------------------------------------------------------------ capture
 def capture_meta(source: ModelSource, batch: int, seq: int | None) -> fx.GraphModule:
     """Build `source` on the meta device and capture it at (batch, seq) with a dynamic batch dim."""
+    from autopar.capture import CaptureError  # noqa: PLC0415
+    from autopar.input_checks import explain_capture_failure  # noqa: PLC0415
+
     with torch.device("meta"):
         model = source.build()
     inputs, _ = source.example_batch(batch, seq_len=seq, device="meta")
-    return capture(model, inputs)
+    try:
+        return capture(model, inputs)
+    except CaptureError:
+        why = explain_capture_failure(model, inputs, name=f"{source.name}'s inputs")
+        if why is None:
+            raise
+        raise ValueError(f"cannot capture {source.text}: {why}") from None
 
 
 # ------------------------------------------------------------------------ one plan
@@ -157,6 +224,19 @@ def shard_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> Non
     _search_sharding(plan, global_gm, Mesh(dict(plan.mesh)), hardware)
 
 
+def expert_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> None:
+    """Fill plan.extra["expert"] (the MoE blocks and their ep dispatch) as `autopar.parallelize`
+    does for a mesh with an ep axis; ValueError when the model has no MoE block or ep does
+    not divide its experts."""
+    if "expert" in plan.extra or plan.mesh.get("ep", 1) < 2:
+        return
+    from autopar.search.expert import plan_experts  # noqa: PLC0415
+
+    plan.extra["expert"] = plan_experts(global_gm, dict(plan.mesh), dp_axis=plan.dp_axis,
+                                        n_microbatches=plan.n_microbatches, hardware=hardware)
+    plan.notes += plan.extra["expert"].get("notes", [])
+
+
 def stage_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware, memory_limit: float | None = None) -> None:
     """Choose the pipeline split (plan.split_points, plan.extra["pipeline"]) for a pp mesh."""
     from autopar.pipeline_build import choose_stages
@@ -168,11 +248,11 @@ def stage_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware, memory
 
 def rank_graph(global_gm: fx.GraphModule, plan: Plan, rank: int, *, with_recompute: bool = True
                ) -> tuple[fx.GraphModule, list]:
-    """Rank `rank`'s rewritten graph (split_batch, shard, zero, and recompute when the plan has
-    it and no pipeline, as parallelize runs them) on meta, and the pass records."""
+    """Rank `rank`'s rewritten graph (split_batch, shard, expert, zero, and recompute when the
+    plan has it and no pipeline, as parallelize runs them) on meta, and the pass records."""
     mesh = Mesh(dict(plan.mesh))
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, sync_batchnorm, zero])
+    pm = PassManager([split_batch, shard, expert, sync_batchnorm, zero])
     gm = pm.run(_fresh(global_gm), ctx, tag=f"rank{rank}")
     records = list(pm.records)
     if with_recompute and plan.mesh.get("pp", 1) == 1 and any(v != "none" for v in plan.recompute.values()):
@@ -238,6 +318,8 @@ def _fallback(global_gm, meshes, hw, *, batch, zero_stage, n_microbatches, sched
             step(f"planning {_mesh_text(mesh)}" + (f", {mb} micro-batches" if pp > 1 else ""))
             base = Plan(mesh=dict(mesh), dp_axis="dp", n_microbatches=mb, schedule=schedule if pp > 1 else None)
             try:
+                if mesh.get("ep", 1) > 1:
+                    expert_plan(base, global_gm, hw)
                 if mesh.get("tp", 1) > 1:
                     shard_plan(base, global_gm, hw)
                 if pp > 1:
@@ -315,6 +397,7 @@ def materialise(result: "PlanResult", i: int) -> Plan:
     plan, _ = plan_for(result.global_gm, result.world_size, result.hardware, pins=pins,
                        global_batch=result.batch, top_k=1)
     plan.extra["cli"] = dict(c.plan.extra.get("cli", {}))
+    stamp(plan, result.global_gm)
     return plan
 
 
@@ -338,6 +421,13 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
     world = math.prod(mesh.values()) if mesh else int(world_size)
     if world < 1:
         raise ValueError(f"the world size must be >= 1, got {world}")
+    if mesh:
+        k = mesh.get("dp", 1) * mesh.get("ep", 1) * (n_microbatches or 1)
+        split = " x ".join(f"{a}={mesh[a]}" for a in ("dp", "ep") if a in mesh) + f" x micro-batches={n_microbatches or 1}"
+        if batch is not None and batch % k:
+            raise ValueError(f"--batch {batch} does not divide by {split} = {k}; use a multiple of {k} "
+                             f"(e.g. {k * max(1, -(-batch // k))})")
+        batch = batch or k * max(1, -(-default_batch(world) // k))  # the smallest multiple of k from 8 up
     batch = batch or default_batch(world)
     seq = seq if seq is not None else source.default_seq
     secs: dict[str, float] = {}
@@ -346,6 +436,8 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
         step(f"capturing {source.name} on meta (batch {batch}" + (f", seq {seq})" if seq else ")"))
         global_gm = capture_meta(source, batch, seq)
     secs["capture_s"] = time.perf_counter() - t0
+    if mesh:
+        check_mesh_fits(global_gm, mesh)  # an axis that cannot split this model: its dimension, sizes that can
     pins = {k: v for k, v in {"zero_stage": zero_stage, "n_microbatches": n_microbatches,
                               "schedule": schedule}.items() if v is not None}
     t0 = time.perf_counter()
@@ -387,9 +479,16 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
         raise ValueError("no plan is possible: " + "; ".join(notes or ["the search returned nothing"]))
     order = sorted(range(len(cands)), key=lambda i: (not cands[i].fits, cands[i].step_s, i))
     cands = [cands[i] for i in order]
-    stamp = {"model": source.text, "batch": batch, "seq": seq, "hardware": hw.name, "planner": kind}
+    made = {"model": source.text, "batch": batch, "seq": seq, "hardware": hw.name, "planner": kind}
     for c in cands:
-        c.plan.extra["cli"] = dict(stamp)
+        c.plan.extra["cli"] = dict(made)
+        stamp(c.plan, global_gm)  # the graph's fingerprint: `run` and `verify` refuse it for another model
+    best = cands[0].plan
+    if best.mesh.get("ep", 1) > 1 and "partial" not in best.extra:
+        expert_plan(best, global_gm, hw)  # so that the plan file runs, and dumps, as parallelize would
+    for n in axis_notes(best):
+        if n not in best.notes:
+            best.notes.append(n)
     if not cands[0].fits:
         notes.append(f"no candidate fits: the best needs {cands[0].peak_bytes / 2**30:.1f} GiB per rank of "
                      f"{cands[0].predicted.get('capacity_bytes', 0) / 2**30:.1f} GiB; use more ranks, pp or ZeRO-3")

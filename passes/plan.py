@@ -6,16 +6,25 @@ keyed by module and parameter names (never by fx node names, which change betwee
 and any field can be pinned by a user and the search solves the rest.
 
 Fields that a pass does not understand yet are carried along untouched.
+
+Reading a plan file checks it first (passes/plan_schema.py): malformed JSON, an unknown
+field, or a field of the wrong type or out of range is a `PlanFormatError` (a ValueError)
+naming the field and what it expects. A plan records the graph it was made for (`graph`: a
+fingerprint and counts, `plan_schema.graph_stamp`); whether it fits a model is checked
+against the captured graph by autopar/build/plan_check.py.
 """
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.runtime.placement import Layout
 
-PLAN_VERSION = 1
+from .plan_schema import PLAN_VERSION, PlanFormatError, parse_plan_json, validate_plan_dict
+
+__all__ = ["Plan", "PlanFormatError", "PLAN_VERSION"]
 
 
 @dataclass
@@ -38,6 +47,9 @@ class Plan:
     fusions: list of fusion rule names to apply.
     predicted: the cost model's predictions for this plan (step time, memory per rank ...).
     notes: human-readable reasons, one per decision.
+    extra: what passes and searches record beyond the fields above (carried along untouched).
+    graph: the graph the plan was made for (`plan_schema.graph_stamp`: fingerprint, counts);
+        empty for a plan written by hand, which is then checked name by name only.
     """
 
     mesh: dict[str, int]
@@ -55,20 +67,23 @@ class Plan:
     predicted: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    graph: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.mesh:
-            raise ValueError("a Plan needs a mesh, e.g. {'dp': 4}")
+        if not isinstance(self.mesh, dict) or not self.mesh:
+            raise PlanFormatError(f"a Plan needs a mesh, e.g. {{'dp': 4}}; got {self.mesh!r}")
         for axis, size in self.mesh.items():
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {axis!r} has size {size!r}; sizes must be positive integers")
+            if not _is_int(size) or size < 1:
+                raise PlanFormatError(f"mesh axis {axis!r} has size {size!r}; sizes must be positive integers")
         if self.dp_axis is not None and self.dp_axis not in self.mesh:
-            raise ValueError(f"dp_axis {self.dp_axis!r} is not a mesh axis {list(self.mesh)}; "
-                             "name an axis of the mesh or pass dp_axis=None")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.n_microbatches < 1:
-            raise ValueError(f"n_microbatches must be >= 1, got {self.n_microbatches}")
+            raise PlanFormatError(f"dp_axis {self.dp_axis!r} is not a mesh axis {list(self.mesh)}; "
+                                  "name an axis of the mesh or pass dp_axis=None")
+        if not _is_int(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
+            raise PlanFormatError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if not _is_int(self.n_microbatches) or self.n_microbatches < 1:
+            raise PlanFormatError(f"n_microbatches must be an integer >= 1, got {self.n_microbatches!r}")
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise PlanFormatError(f"bucket_mb must be a positive number (MiB), got {self.bucket_mb!r}")
 
     @property
     def world_size(self) -> int:
@@ -95,23 +110,41 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=_json_default)
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Plan":
+    def from_dict(d: dict[str, Any], source: str = "the plan") -> "Plan":
+        """The Plan of JSON data `d`, checked first (PlanFormatError naming every bad field;
+        `source` names the data in messages, e.g. the file)."""
+        validate_plan_dict(d, source)
         d = dict(d)
-        version = d.pop("version", PLAN_VERSION)
-        if version != PLAN_VERSION:
-            raise ValueError(f"plan version {version} is not supported (this autopar reads {PLAN_VERSION})")
-        known = {f.name for f in fields(Plan)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown plan fields {sorted(unknown)}; known fields are {sorted(known)}")
+        d.pop("version", None)
         for key in ("param_layouts", "node_layouts"):
             if key in d:
                 d[key] = {k: Layout.from_json(v) for k, v in d[key].items()}
+        for key in ("strategies", "recompute", "predicted", "extra", "graph"):
+            if key in d:
+                d[key] = dict(d[key])
+        for key in ("split_points", "fusions", "notes"):
+            if key in d:
+                d[key] = list(d[key])
         return Plan(**d)
 
     @staticmethod
-    def from_json(text: str) -> "Plan":
-        return Plan.from_dict(json.loads(text))
+    def from_json(text: str, source: str = "the plan") -> "Plan":
+        """The Plan in JSON `text` (as `to_json` writes it); PlanFormatError naming the line
+        and column of malformed JSON, or every field of the wrong type or out of range."""
+        return Plan.from_dict(parse_plan_json(text, source), source)
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        """The Plan in the file at `path`; a missing or unreadable file is a ValueError naming it."""
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise PlanFormatError(f"there is no plan file at {path!r}; write one with Plan.to_json() or "
+                                  "`autopar plan ... --out plan.json`") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanFormatError(f"cannot read the plan file {path!r}: {e}") from None
+        return Plan.from_json(text, source=path)
 
     def pin(self, **pins: Any) -> "Plan":
         """A copy with the given fields replaced (validated)."""
@@ -121,9 +154,13 @@ class Plan:
         d["strategies"] = {a: dict(t) for a, t in self.strategies.items()}
         for k, v in pins.items():
             if k not in d:
-                raise ValueError(f"cannot pin unknown plan field {k!r}")
+                raise PlanFormatError(f"cannot pin unknown plan field {k!r}; the fields are {sorted(d)}")
             d[k] = v
         return Plan(**d)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy integers too
 
 
 def _json_default(o: Any):

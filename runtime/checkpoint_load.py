@@ -12,7 +12,11 @@ come back from the manifest. `read_full_state_dict` reads the whole model in one
 own pieces.
 
 Guarantees: loading under any plan gives the saved values bit for bit (same dtype); the
-optimizer holds exactly the saved state (state absent from the checkpoint is cleared).
+optimizer holds exactly the saved state (state absent from the checkpoint is cleared). A
+partial or damaged checkpoint is refused with a CheckpointError (a ValueError) naming what is
+missing: files the manifest lists (or, with verify="none", what DCP could not read), a
+damaged manifest field, entries this model needs (strict); never DCP's CheckpointException.
+A load waits for saves in flight but does not raise their errors (the next save does).
 
 It reads and writes no `node.meta` keys; it imports nothing above runtime/.
 """
@@ -24,13 +28,15 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import checkpoint_files as files
 from .checkpoint_entries import (Entry, _agree_errors, _buffers, _check_piece, _DTensorMaker, _like_piece,
                                  _optimizer_of, _Param, _params, engines_of, local_chunk)
-from .checkpoint_files import CheckpointError, SafeFileSystemReader, StateSource, read_metadata, verify_checkpoint
-from .checkpoint_save import wait_pending
+from .checkpoint_files import (CheckpointError, SafeFileSystemReader, StateSource, read_manifest, read_metadata,
+                               verify_checkpoint)
+from .checkpoint_save import settle_pending
 
 
 # --- load -----------------------------------------------------------------------------------------
@@ -50,10 +56,11 @@ def load_checkpoint(path: str, engine, mesh, *, layouts: Mapping[str, Any] | Non
     checkpoint at `path`, whatever plan wrote it. Collective. Returns the manifest.
     `strict`: every parameter and buffer must be in the checkpoint (and its optimizer state,
     when `optimizer` and the checkpoint has one)."""
-    wait_pending()
+    settle_pending()
     path = os.path.abspath(str(path))
+    check_manifest(path, read_manifest(path))  # its structure, before verification reads it
     manifest = verify_checkpoint(path, verify)
-    md = read_metadata(path).state_dict_metadata
+    md = _metadata(path, manifest)
     layouts, global_shapes = layouts or {}, global_shapes or {}
     alias_groups = list(aliases) + list(manifest.get("aliases", []))
     try:
@@ -70,10 +77,13 @@ def load_checkpoint(path: str, engine, mesh, *, layouts: Mapping[str, Any] | Non
     sd = {k: maker(e, e.tensor) for k, e in targets.items()}
     reader = SafeFileSystemReader(path)
     planner = DefaultLoadPlanner(allow_partial_load=True)
-    if dist.is_initialized():
-        dcp.load(sd, storage_reader=reader, planner=planner, process_group=files.ckpt_group())
-    else:
-        _load_no_dist(sd, reader, planner)
+    try:
+        if dist.is_initialized():
+            dcp.load(sd, storage_reader=reader, planner=planner, process_group=files.ckpt_group())
+        else:
+            _load_no_dist(sd, reader, planner)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        raise _read_error(path, manifest, e) from None
     with torch.no_grad():
         for key, t in copies:
             t.copy_(targets[key].tensor)
@@ -167,6 +177,64 @@ def _plan_load(path, engine, mesh, params, md, manifest, layouts, global_shapes,
     return targets, copies, new_state, want_opt
 
 
+def check_manifest(path: str, m: Any) -> dict:
+    """`m` if the manifest of the checkpoint at `path` has the structure loading reads (a
+    manifest edited by hand, or written by something else, is refused naming the field)."""
+    def bad(field: str, want: str, got: Any) -> CheckpointError:
+        return CheckpointError(f"{os.path.join(path, files.MANIFEST)} is damaged: {field!r} should be {want}, got "
+                               f"{type(got).__name__}; load an earlier checkpoint (latest_checkpoint(root))")
+
+    if not isinstance(m, dict):
+        raise bad("the manifest", "a JSON object", m)
+    fl = m.get("files", {})
+    if not isinstance(fl, dict):
+        raise bad("files", "an object {file: {bytes, sha256}}", fl)
+    for name, info in fl.items():
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("sha256"), str):
+            raise bad(f"files[{name!r}]", "an object {bytes: integer, sha256: string}", info)
+    for field, kind in (("optim_state", dict), ("aliases", list), ("param_groups", list), ("extra", dict),
+                        ("layouts", dict), ("global_shapes", dict)):
+        if field in m and m[field] is not None and not isinstance(m[field], kind):
+            raise bad(field, f"a JSON {'object' if kind is dict else 'list'}", m[field])
+    return m
+
+
+def _metadata(path: str, manifest: dict):
+    """DCP's metadata of the checkpoint (state_dict_metadata); CheckpointError naming the file
+    when it is missing or unreadable."""
+    try:
+        return read_metadata(path).state_dict_metadata
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete: its .metadata is missing (files present: "
+                              f"{sorted(os.listdir(path))[:8]}); load an earlier checkpoint") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {os.path.join(path, '.metadata')}: {e}") from None
+
+
+def _read_error(path: str, manifest: dict, e: BaseException) -> CheckpointError:
+    """What made DCP fail to read the checkpoint at `path`, in one line: the files the
+    manifest lists that are missing or cut short, else the first rank's error."""
+    missing, short = [], []
+    for name, info in sorted((manifest.get("files") or {}).items()):
+        fp = os.path.join(path, name)
+        if not os.path.exists(fp):
+            missing.append(name)
+        elif isinstance(info, dict) and os.path.getsize(fp) != info.get("bytes"):
+            short.append(f"{name} ({os.path.getsize(fp)} of {info.get('bytes')} bytes)")
+    if missing or short:
+        return CheckpointError(f"checkpoint {path!r} is incomplete: " + "; ".join(
+            ([f"missing {', '.join(missing[:8])}"] if missing else []) + ([f"truncated {', '.join(short[:8])}"]
+                                                                          if short else []))
+            + ". Load an earlier checkpoint (latest_checkpoint(root) skips damaged ones)")
+    root = e
+    if isinstance(e, CheckpointException):
+        first = next(iter(e.failures.values()), None)
+        root = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else e
+    text = (str(root).strip().splitlines() or [type(root).__name__])[0][:300]
+    return CheckpointError(f"reading checkpoint {path!r} failed: {type(root).__name__}: {text}; verify it with "
+                           "verify_checkpoint(path) or load an earlier one")
+
+
 def _load_no_dist(sd, reader, planner) -> None:
     import warnings  # noqa: PLC0415
 
@@ -223,11 +291,15 @@ def read_full_state_dict(path: str, *, verify: str = "full", dtype: torch.dtype 
     """The full model state dict of the checkpoint at `path`, in this process (no collective;
     it holds the whole model): every name of the original model, tied names included."""
     path = os.path.abspath(str(path))
+    check_manifest(path, read_manifest(path))
     manifest = verify_checkpoint(path, verify, collective=False)
-    md = read_metadata(path).state_dict_metadata
+    md = _metadata(path, manifest)
     sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()
           if k.startswith("model.") and hasattr(m, "size")}
-    _load_no_dist(sd, SafeFileSystemReader(path), DefaultLoadPlanner(allow_partial_load=True))
+    try:
+        _load_no_dist(sd, SafeFileSystemReader(path), DefaultLoadPlanner(allow_partial_load=True))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        raise _read_error(path, manifest, e) from None
     out = {k[len("model."):]: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in sd.items()}
     for group in manifest.get("aliases", []):
         have = next((n for n in group if n in out), None)

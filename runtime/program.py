@@ -97,9 +97,7 @@ class Program(nn.Module):
         for i, (mb_in, mb_tgt) in enumerate(micro):
             last = i == len(micro) - 1
             out = self(**mb_in) if keyword else self(*mb_in)
-            loss = loss_fn(out, mb_tgt)
-            if loss.dim() != 0:
-                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            loss = check_loss(loss_fn(out, mb_tgt))
             scaled = loss / len(micro)
             total = scaled.detach() if total is None else total + scaled.detach()
             if last and self.dp > 1:
@@ -118,6 +116,26 @@ class Program(nn.Module):
         if loss_work is not None:
             loss_work.wait()
         return total
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    """`loss` if it is what backward needs (a floating-point scalar tensor that requires
+    grad), else a ValueError saying what loss_fn returned and what to return instead."""
+    if not isinstance(loss, torch.Tensor):
+        hint = " (a transformers output: return out.loss or out[\"loss\"])" if hasattr(loss, "keys") else ""
+        raise ValueError(f"loss_fn returned a {type(loss).__name__}, not a tensor; return the loss as a scalar "
+                         f"tensor computed from the model's output{hint}")
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar, got a tensor of shape {tuple(loss.shape)}; reduce it "
+                         "(e.g. loss.mean(), or reduction=\"mean\" in the loss function)")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise ValueError(f"loss_fn returned a {str(loss.dtype).replace('torch.', '')} tensor; a loss must be "
+                         "floating point to have gradients")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn returned a tensor that does not require grad (detached, made from .item() or "
+                         "under torch.no_grad()), so backward cannot reach the model; compute it from the model's "
+                         "output without detaching")
+    return loss
 
 
 def _split_micro(batch, n: int):

@@ -278,6 +278,8 @@ def check_plan_against_graph(plan: Plan, global_gm: fx.GraphModule, mesh: Any) -
     if why and "ops" in why:
         notes.append(f"warning: {why['ops']}; every node the plan names exists in this capture, so the plan is "
                      "applied")
+    if why and "dtypes" in why:
+        notes.append(f"warning: {why['dtypes']}; its names and shapes fit, so the plan is applied")
     return notes + axis_notes(plan)
 
 
