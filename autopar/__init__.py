@@ -10,10 +10,14 @@ from autopar.build.materialize import ModuleInit
 from autopar.build.save_pretrained import save_pretrained
 from autopar.build.weights import WeightSource
 from autopar.capture import CaptureError, capture
+from autopar.build.plan_check import PlanMismatchError
 from autopar.passes.plan import Plan
+from autopar.passes.plan_schema import PlanFormatError
+from autopar.runtime.checkpoint import CheckpointSaveError
 
 __all__ = ["mesh", "parallelize", "optimizer", "sampler", "capture", "CaptureError", "Plan", "ParallelModel",
-           "ModuleInit", "save_pretrained", "WeightSource"]
+           "ModuleInit", "save_pretrained", "WeightSource", "PlanFormatError", "PlanMismatchError",
+           "CheckpointSaveError"]
 __version__ = "0.1.0"
 from autopar.checkpoint_api import (CheckpointError, RankUnresponsiveError, bounded_mesh, export_state_dict,  # noqa: E402
                                     fault_guard, import_state_dict, init_restartable, latest_checkpoint, load, save,

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from autopar.runtime import checkpoint as ck
 from autopar.runtime.checkpoint import CheckpointError, SaveHandle, latest_checkpoint, verify_checkpoint
-from autopar.runtime.checkpoint_save import CheckpointSaveError, clean_staging
+from autopar.runtime.checkpoint import CheckpointSaveError, clean_staging
 from autopar.runtime.faults import FaultGuard, RankUnresponsiveError, bounded_device_mesh, init_restartable
 from autopar.runtime.mesh import Mesh, make_mesh
 

@@ -56,6 +56,7 @@ class MeshResult:
     plan_text: str = ""
     dump_files: list = field(default_factory=list)
     seconds: float = 0.0
+    from_meta: bool = False  # this mesh also ran from a meta build, with the same result
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,14 +83,9 @@ def _call(model, x):
     return model(**x) if isinstance(x, dict) else model(*x)
 
 
-def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: str | None, style: str):
+def _train(sp, pm, model):
     import autopar  # noqa: PLC0415
 
-    sp = zoo.spec(name, "tiny", style)
-    torch.manual_seed(0)
-    model = sp.build()
-    x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
-    pm = autopar.parallelize(model, autopar.mesh(**asked), example_inputs=x0, **opts)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=LR, eps=EPS)
     g = torch.Generator().manual_seed(1)
     losses, norm = [], None
@@ -100,10 +96,29 @@ def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: 
             norm = float(pm.engine.clip_grad_norm_(1e9))
         opt.step()
         opt.zero_grad()
-    sd = autopar.export_state_dict(pm, like=model)
+    return losses, norm, autopar.export_state_dict(pm, like=model)
+
+
+def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: str | None, style: str,
+              also_meta: bool = False):
+    import autopar  # noqa: PLC0415
+
+    sp = zoo.spec(name, "tiny", style)
+    x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
+    meta = None
+    if also_meta:  # the same mesh, the model built on meta and initialized by its own modules, rank by rank
+        with torch.device("meta"):
+            meta_model = sp.build()
+        pm = autopar.parallelize(meta_model, autopar.mesh(**asked), example_inputs=x0,
+                                 weights=autopar.ModuleInit(seed=0, dtype=torch.float32), **opts)
+        meta = _train(sp, pm, meta_model)
+    torch.manual_seed(0)
+    model = sp.build()
+    pm = autopar.parallelize(model, autopar.mesh(**asked), example_inputs=x0, **opts)
+    losses, norm, sd = _train(sp, pm, model)
     files = pm.dump(dump_dir) if dump_dir else []
     text = pm.plan_text() if rank == 0 else ""
-    return losses, norm, sd, dict(pm.plan.mesh), text, files
+    return losses, norm, sd, dict(pm.plan.mesh), text, files, meta
 
 
 def _reference(name: str, style: str):
@@ -138,22 +153,26 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
     tol = TOLERANCES[row.dtype]
     ref_losses, ref_norm, ref_sd = _reference(name, style)
     out = []
-    for asked, opts in (meshes if meshes is not None else row.meshes):
+    todo = list(meshes if meshes is not None else row.meshes)
+    # one explicit mesh per row also runs from a meta build (the values from the modules' own init)
+    meta_at = next((i for i, (asked, _o) in enumerate(todo) if "world_size" not in asked), None) \
+        if meshes is None else None
+    for i, (asked, opts) in enumerate(todo):
         r = MeshResult(name, dict(asked), tolerances=dict(tol))
         tag = "_".join(f"{k}{v}" for k, v in asked.items())
         dump_dir = os.path.join(dump_root, name, tag) if dump_root else None
         t0 = time.perf_counter()
         try:
             res = run_world(_world_size(asked), _run_rank, name, dict(asked), dict(opts), dump_dir, style,
-                            timeout_s=timeout_s, collective_timeout_s=60.0)
+                            i == meta_at, timeout_s=timeout_s, collective_timeout_s=60.0)
         except Exception as e:  # noqa: BLE001 - reported per mesh, the row goes on
             r.error = "".join(traceback.format_exception_only(type(e), e))
             r.seconds = time.perf_counter() - t0
             out.append(r)
             continue
         r.seconds = time.perf_counter() - t0
-        losses, norm, sd, r.mesh, r.plan_text, _ = res[0]
-        r.dump_files = sorted({os.path.basename(f) for *_x, files in res for f in files})
+        losses, norm, sd, r.mesh, r.plan_text, _, meta = res[0]
+        r.dump_files = sorted({os.path.basename(f) for *_x, files, _m in res for f in files})
         r.loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
         r.grad_norm_rel = abs(norm - ref_norm) / max(abs(ref_norm), 1e-30)
         worst, r.missing = ("", 0.0), sorted(k for k in ref_sd if k not in sd)
@@ -164,6 +183,12 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
                     worst = (k, d)
         r.worst_param, r.param_diff = worst
         r.error = _mismatch(losses, ref_losses, norm, ref_norm, sd, ref_sd, tol, r.missing)
+        if meta is not None and not r.error:
+            r.from_meta = True
+            m_losses, m_norm, m_sd = meta
+            bad = _mismatch(m_losses, ref_losses, m_norm, ref_norm, m_sd, ref_sd, tol,
+                            sorted(k for k in ref_sd if k not in m_sd))
+            r.error = f"built on meta (autopar.ModuleInit): {bad}" if bad else ""
         r.ok = not r.error
         out.append(r)
     return out

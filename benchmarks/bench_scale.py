@@ -91,6 +91,14 @@ def _rank(rank, ws, a, mesh_kw, opts, source):
     return {"base": base, "build": build.peak, "train": train.peak, "losses": losses}
 
 
+def write_checkpoint(a) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = GPT(config(a))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, a.weights)
+
+
 def one_process_loss(a) -> float:
     """The first step's loss of one process whose weights are read from the checkpoint."""
     from safetensors.torch import load_file
@@ -119,19 +127,16 @@ def main(argv=None) -> int:
     with torch.device("meta"):
         n_params = sum(t.numel() for t in GPT(config(a)).parameters())
     full = n_params * 4
-    with tempfile.TemporaryDirectory() as d:
+    import multiprocessing as mp
+
+    spawn = mp.get_context("spawn")  # the parent never holds the model: forked ranks start small
+    with tempfile.TemporaryDirectory() as d, spawn.Pool(1) as pool:
         a.weights = os.path.join(d, "model.safetensors")
         t0 = time.perf_counter()
-        torch.manual_seed(0)
-        model = GPT(config(a))
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, a.weights)
-        del model
-        gc.collect()
+        pool.apply(write_checkpoint, (a,))
         print(f"GPT {n_params / 1e9:.3f} B parameters, fp32 {full / GiB:.2f} GiB; checkpoint written in "
               f"{time.perf_counter() - t0:.1f} s; 4 gloo ranks, batch {a.batch} x seq {a.seq}")
-        ref = one_process_loss(a)
+        ref = pool.apply(one_process_loss, (a,))
         cells = {"zero3": ({"dp": 4}, {"zero_stage": 3}), "tp2dp2": ({"dp": 2, "tp": 2}, {"hardware": "h100-sxm"})}
         print(f"{'cell':8} {'weights':22} {'rank':>4} {'base':>9} {'parallelize+load':>17} {'2 steps':>9} "
               f"{'above base / full model':>23}   first loss (one process {ref:.6f})")

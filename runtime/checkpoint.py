@@ -25,9 +25,10 @@ from .checkpoint_entries import engines_of, local_chunk
 from .checkpoint_files import (CheckpointError, SafeFileSystemReader, StateSource, agree, latest_checkpoint,
                                list_checkpoints, read_manifest, read_metadata, verify_checkpoint, write_state_dict)
 from .checkpoint_load import import_state, load_checkpoint, read_full_state_dict
-from .checkpoint_save import SaveHandle, save_checkpoint, wait_pending
+from .checkpoint_save import CheckpointSaveError, SaveHandle, clean_staging, save_checkpoint, settle_pending, wait_pending
 
-__all__ = ["save_checkpoint", "load_checkpoint", "SaveHandle", "wait_pending", "read_full_state_dict",
+__all__ = ["save_checkpoint", "load_checkpoint", "SaveHandle", "wait_pending", "CheckpointSaveError", "clean_staging",
+           "settle_pending", "read_full_state_dict",
            "import_state", "local_chunk", "engines_of", "CheckpointError", "SafeFileSystemReader", "StateSource",
            "agree", "latest_checkpoint", "list_checkpoints", "read_manifest", "read_metadata", "verify_checkpoint",
            "write_state_dict"]

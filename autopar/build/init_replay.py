@@ -59,8 +59,10 @@ class _Shadow(TorchDispatchMode):
     counterparts (what the values are)."""
 
     def __init__(self, owned: Mapping[int, str], keep: Mapping[str, Sequence[Region]], budget_bytes: int,
-                 elementwise: Callable[[Any], bool], only_kept: bool = False):
+                 elementwise: Callable[[Any], bool], only_kept: bool = False,
+                 init_dtype: torch.dtype | None = None):
         super().__init__()
+        self.init_dtype = init_dtype          # floating tensors are initialized in this dtype
         self.only_kept = only_kept            # tensors not in `keep` are left alone (no values drawn)
         self.owned = dict(owned)              # id(meta tensor of the model) -> name
         self.keep = keep                      # name -> regions this rank keeps
@@ -95,7 +97,8 @@ class _Shadow(TorchDispatchMode):
         if key in self.live:
             self.live.move_to_end(key)
             return self.live[key].tensor
-        full = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        dt = self.init_dtype if self.init_dtype is not None and t.is_floating_point() else t.dtype
+        full = torch.empty(t.shape, dtype=dt, device="cpu")
         if name in self.pieces:  # revisited after a cut: restore what this rank keeps
             if not self.elementwise(func):
                 self.inexact.add(name)
@@ -269,12 +272,15 @@ class InitResult:
 
 def replay_init(model: nn.Module, keep: Mapping[str, Sequence[Region]], *, seed: int | None = None,
                 budget_bytes: int | None = None, names: Iterable[tuple[str, torch.Tensor]] | None = None,
-                only_kept: bool = False) -> InitResult:
+                only_kept: bool = False, init_dtype: torch.dtype | None = None) -> InitResult:
     """Run `model`'s own initialization (see the module docstring) on its meta tensors and
     return the pieces `keep` names: {name: [(offset, shape), ...]}. The global CPU generator is
     seeded with `seed` (default: `torch.initial_seed()`, the seed of the last manual_seed)
     inside `torch.random.fork_rng`, so the caller's RNG state is left as it was.
-    `only_kept`: compute only what `keep` names (buffers, say); other tensors draw nothing."""
+    `only_kept`: compute only what `keep` names (buffers, say); other tensors draw nothing.
+    `init_dtype`: the dtype floating tensors had while the model was initialized (a model
+    built in float32 and cast to float64 afterwards draws float32 numbers); the pieces come
+    back in each tensor's own dtype."""
     tensors = list(names) if names is not None else \
         list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     owned: dict[int, str] = {}
@@ -295,7 +301,7 @@ def replay_init(model: nn.Module, keep: Mapping[str, Sequence[Region]], *, seed:
     with torch.random.fork_rng(devices=[]), _untied_while_initializing(model) as scratch:
         for name, t in scratch:  # drawn into, then dropped: the real build's draws happen here too
             owned[id(t)] = f"<untied {name}>"
-        shadow = _Shadow(owned, canon_keep, budget, _is_elementwise, only_kept)
+        shadow = _Shadow(owned, canon_keep, budget, _is_elementwise, only_kept, init_dtype)
         torch.manual_seed(torch.initial_seed() if seed is None else seed)
         with torch.no_grad(), shadow:
             for _, fn in steps:
@@ -308,6 +314,7 @@ def replay_init(model: nn.Module, keep: Mapping[str, Sequence[Region]], *, seed:
             continue
         got = dict(zip(map(tuple, canon_keep.get(canon, [])), pieces.get(canon, [])))
         # never written by any init step: zeros (the same on every rank; the caller warns)
-        by_alias[n] = [got[tuple(r)] if tuple(r) in got else torch.zeros(r[1], dtype=t.dtype) for r in keep[n]]
+        by_alias[n] = [got[tuple(r)].to(t.dtype) if tuple(r) in got else torch.zeros(r[1], dtype=t.dtype)
+                       for r in keep[n]]
     untouched = sorted({n for n, t in tensors if id(t) in owned and owned[id(t)] not in shadow.touched and n in keep})
     return InitResult(by_alias, untouched, sorted(shadow.inexact), [s for s, _ in steps])

@@ -40,9 +40,12 @@ from .init_replay import Region, replay_init
 class ModuleInit:
     """Weights from the modules' own initialization (`reset_parameters`, transformers'
     `initialize_weights`), equal to one process's `torch.manual_seed(seed); build()` on the
-    CPU. `seed=None`: the seed of the last `torch.manual_seed` (`torch.initial_seed()`)."""
+    CPU. `seed=None`: the seed of the last `torch.manual_seed` (`torch.initial_seed()`).
+    `dtype`: the floating dtype the model had while it was initialized, when it was cast
+    afterwards (`build().double()`: torch.float32); default: each tensor's own dtype."""
 
     seed: int | None = None
+    dtype: torch.dtype | None = None  # the floating dtype at init (built in float32, then cast: float32)
 
 
 @dataclasses.dataclass
@@ -176,7 +179,7 @@ def materialize(engine, mesh, model: nn.Module, weights: Any, *, layouts: Mappin
     buffer_names = {ns[0] for ns, t, _g, _c in pieces if not isinstance(t, nn.Parameter) and _is_buffer(engine, ns[0])}
     report = MaterializeReport(describe_source(weights), [], [], [], [])
     if weights is None or isinstance(weights, ModuleInit):
-        res = replay_init(model, regions, seed=getattr(weights, "seed", None))
+        res = replay_init(model, regions, seed=getattr(weights, "seed", None), init_dtype=getattr(weights, "dtype", None))
         _warn_not_reproduced(res.untouched, res.inexact)
         report.not_reproduced = sorted(set(res.untouched) | set(res.inexact))
         src = _PieceSource(res.pieces, regions, shapes)

@@ -32,6 +32,8 @@ def test_zoo_row(name, tmp_path):
         pytest.skip(f"red: {why}")
     results = zoo_check.parity(name, dump_root=str(tmp_path))
     assert len(results) == len(zoo.get(name).meshes)
+    # one explicit mesh per row also trained from a meta build (the modules' own init, rank by rank)
+    assert any(r.from_meta for r in results) or all("world_size" in r.asked for r in results)
     for r in results:
         assert not r.error, f"{r.line()}\n{r.error}"
         assert r.ok
