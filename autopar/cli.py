@@ -322,7 +322,7 @@ def cmd_tune(a) -> int:
         batch = check_mesh_for_model(a.model, mesh, batch, a.seq)
     cfg = TuneConfig(model=a.model, out=a.out, hardware=hardware, mesh=mesh, world_size=a.world_size,
                      batch=batch, seq=a.seq, top=a.top, warmup=a.warmup, steps=a.steps, quick=not a.full,
-                     sizes=sizes, launcher=a.launcher, device=device)
+                     sizes=sizes, launcher=a.launcher, device=device, weights=weights_arg(a))
     with Progress(not a.no_progress) as prog:
         res = tune(cfg, fresh=a.fresh, say=prog.say, event=prog.event)
     print((res.out / "tune_report.txt").read_text().rstrip())
@@ -330,6 +330,21 @@ def cmd_tune(a) -> int:
         print(f"resumed: kept the finished phases {', '.join(res.resumed)}")
     print(f"wrote {', '.join(res.files)}")
     return 0
+
+
+def weights_arg(a) -> str | None:
+    """--weights as an absolute path, or MODEL itself when it is a checkpoint directory (a
+    config.json beside *.safetensors); None: the model's own initialization."""
+    w = getattr(a, "weights", None)
+    model = getattr(a, "model", None) or getattr(a, "target", None)
+    if w is None and model and os.path.isdir(model) and any(f.endswith(".safetensors") for f in os.listdir(model)):
+        w = model
+    if w is None:
+        return None
+    if not os.path.exists(w):
+        raise ValueError(f"--weights {w}: no such file or directory; give a .safetensors file, a Hugging Face "
+                         "checkpoint directory or an autopar checkpoint")
+    return os.path.abspath(w)
 
 
 # ------------------------------------------------------------------------ run
@@ -341,13 +356,21 @@ def cmd_run(a) -> int:
     from autopar.launcher import rank_env, run_command, slurm_script, torchrun_command
     from autopar.passes.plan import Plan
 
-    if not os.path.exists(a.plan):
-        raise ValueError(f"--plan {a.plan} does not exist; make one with `autopar plan ... --out plan.json`, "
-                         "`autopar dump` or `autopar tune`")
-    plan = Plan.load(a.plan)
-    plan_path = os.path.abspath(a.plan)
-    world = plan.world_size
-    cli = plan.extra.get("cli", {})
+    if a.plan is None:  # the joint planner chooses, in the job, for --nproc ranks
+        if a.target.endswith(".py"):
+            raise ValueError("a training script reads its plan from $AUTOPAR_PLAN: give --plan FILE")
+        if not a.nproc:
+            raise ValueError("without --plan, give --nproc N: the joint planner plans for N ranks")
+        _positive("--nproc", a.nproc)
+        plan, plan_path, world, cli = None, "", a.nproc, {}
+    else:
+        if not os.path.exists(a.plan):
+            raise ValueError(f"--plan {a.plan} does not exist; make one with `autopar plan ... --out plan.json`, "
+                             "`autopar dump` or `autopar tune`, or leave --plan out and give --nproc N")
+        plan = Plan.load(a.plan)
+        plan_path = os.path.abspath(a.plan)
+        world = plan.world_size
+        cli = plan.extra.get("cli", {})
     args = list(a.args)
     if a.target.endswith(".py"):
         if not os.path.exists(a.target):
@@ -359,12 +382,16 @@ def cmd_run(a) -> int:
             _positive(f"--{n}", getattr(a, n))
         from autopar.planning import batch_split, check_batch_split, check_plan_fits  # noqa: PLC0415
 
-        batch = a.batch or cli.get("batch") or max(8, batch_split(plan))
+        batch = a.batch or cli.get("batch") or (max(8, batch_split(plan)) if plan else max(8, world))
         seq = a.seq if a.seq is not None else cli.get("seq")
-        check_batch_split(batch, plan, "--batch" if a.batch else "the plan's batch (plan.extra['cli']['batch'])")
-        check_plan_fits(a.target, plan, batch, seq)  # a clear error now rather than on every rank
+        if plan is not None:
+            check_batch_split(batch, plan, "--batch" if a.batch else "the plan's batch (plan.extra['cli']['batch'])")
+            check_plan_fits(a.target, plan, batch, seq)  # a clear error now rather than on every rank
+        save = os.path.abspath(a.save) if a.save else None
+        if save and os.path.exists(save) and not os.path.isdir(save):
+            raise ValueError(f"--save {a.save} is a file; give a directory for the Hugging Face checkpoint")
         job = {"kind": "train", "model": a.target, "plan": plan_path, "steps": a.steps, "batch": batch,
-               "seq": seq, "lr": a.lr}
+               "seq": seq, "lr": a.lr, "weights": weights_arg(a), "save": save}
         job_dir = a.job_dir or tempfile.mkdtemp(prefix="autopar_run_")
         os.makedirs(job_dir, exist_ok=True)
         job_path = os.path.abspath(os.path.join(job_dir, "job.json"))
@@ -372,7 +399,7 @@ def cmd_run(a) -> int:
             json.dump(job, f, indent=2)
         target = ["-m", "autopar.worker", job_path]
         what = f"{a.target} for {a.steps} steps, global batch {job['batch']}"
-    env = {"AUTOPAR_PLAN": plan_path}
+    env = {"AUTOPAR_PLAN": plan_path} if plan_path else {}
     if a.slurm:
         nodes = a.nodes
         gpn = a.gpus_per_node or -(-world // nodes)
@@ -390,7 +417,7 @@ def cmd_run(a) -> int:
         return 0
     nproc = a.nproc or world
     if nproc != world:
-        raise ValueError(f"--nproc {nproc} differs from the plan's {world} ranks ({plan.mesh}); the plan fixes the "
+        raise ValueError(f"--nproc {nproc} differs from the plan's {world} ranks ({plan and plan.mesh}); the plan fixes the "
                          "world size: make a plan for this many ranks, or use --slurm for several nodes")
     import torch
 
@@ -398,7 +425,8 @@ def cmd_run(a) -> int:
         raise ValueError(f"the plan needs {nproc} ranks but this node has {torch.cuda.device_count()} GPUs; "
                          f"use --slurm FILE --nodes N to run on several nodes")
     cmd = torchrun_command(nproc, target)
-    print(f"launching {what} on {nproc} local ranks: AUTOPAR_PLAN={plan_path} {shlex.join(cmd)}", flush=True)
+    print(f"launching {what} on {nproc} local ranks: " + (f"AUTOPAR_PLAN={plan_path} " if plan_path else "")
+          + shlex.join(cmd), flush=True)
     if a.dry_run:
         return 0
     rc = run_command(cmd, env=rank_env(nproc, env))
@@ -431,7 +459,8 @@ def cmd_verify(a) -> int:
         source = f"{r.planner} planner on {a.hardware}"
     else:
         raise ValueError("give a plan to verify (--plan plan.json) or a mesh to plan first (--mesh / --world-size)")
-    res = verify(a.model, plan, batch=a.batch, seq=a.seq, steps=a.steps, max_procs=a.max_procs)
+    res = verify(a.model, plan, batch=a.batch, seq=a.seq, steps=a.steps, max_procs=a.max_procs,
+                 weights=weights_arg(a))
     if a.json:
         print(json.dumps(res.to_dict(), indent=2))
         return 0 if res.ok else 1
@@ -520,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--launcher", choices=("torchrun", "fork"), default="torchrun",
                    help="how the ranks start (fork: a gloo world forked from this process; CPU only)")
     c.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    c.add_argument("--weights", metavar="PATH", help="the plans start from this checkpoint (default: MODEL itself "
+                   "when it is a checkpoint directory), each rank reading only its slices")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(fn=cmd_tune)
 
@@ -532,7 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "With --slurm, write an sbatch script for several nodes instead of starting anything.")
     c.add_argument("target", metavar="TARGET", help="SCRIPT.py, or a model as for plan; the script's own "
                    "arguments go last, after --")
-    c.add_argument("--plan", required=True, help="the plan file (from plan --out, dump or tune)")
+    c.add_argument("--plan", help="the plan file (from plan --out, dump or tune); without it the joint planner "
+                   "plans for --nproc ranks in the job")
+    c.add_argument("--weights", metavar="PATH", help="start from this checkpoint: a .safetensors file, a Hugging Face "
+                   "checkpoint directory or an autopar checkpoint; each rank builds the model on meta and reads only "
+                   "its slices (default: MODEL itself when it is a checkpoint directory)")
+    c.add_argument("--save", metavar="DIR", help="write the trained weights to DIR as a Hugging Face checkpoint "
+                   "(sharded safetensors + index + config.json)")
     c.add_argument("--nproc", type=int, help="local ranks (default: the plan's world size)")
     c.add_argument("--steps", type=int, default=10, help="steps for a model target (default 10)")
     c.add_argument("--batch", type=int, help="global batch for a model target (default: the plan's)")
@@ -553,6 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "and every parameter after the last one. Exit code 1 when they differ beyond tolerance.")
     _add_model(c)
     c.add_argument("--plan", help="the plan file to verify")
+    c.add_argument("--weights", metavar="PATH", help="both runs start from this checkpoint (default: MODEL itself "
+                   "when it is a checkpoint directory); the parallel ranks build on meta and read their slices")
     _add_mesh(c, required=False)
     c.add_argument("--hardware", default="cpu-gloo", help="profile to plan with when no --plan (default cpu-gloo)")
     _add_pins(c)

@@ -194,12 +194,15 @@ def capture_meta(source: ModelSource, batch: int, seq: int | None) -> fx.GraphMo
     """Build `source` on the meta device and capture it at (batch, seq) with a dynamic batch dim."""
     from autopar.capture import CaptureError  # noqa: PLC0415
     from autopar.input_checks import explain_capture_failure  # noqa: PLC0415
+    from autopar.runtime.mesh import default_device_type  # noqa: PLC0415
 
     with torch.device("meta"):
         model = source.build()
     inputs, _ = source.example_batch(batch, seq_len=seq, device="meta")
     try:
-        return capture(model, inputs)
+        # traced on fake tensors of the device it will run on here (no memory): the same graph the
+        # run captures, so a plan's node names fit it (on meta, attention takes other code paths)
+        return capture(model, inputs, device=default_device_type())
     except CaptureError:
         why = explain_capture_failure(model, inputs, name=f"{source.name}'s inputs")
         if why is None:

@@ -68,6 +68,7 @@ class TuneConfig:
     launcher: str = "torchrun"
     device: str = "cpu"
     timeout_s: float = 1800.0
+    weights: str | None = None  # a checkpoint the plans start from (each rank reads its slices)
 
     @property
     def world(self) -> int:
@@ -344,7 +345,7 @@ def tune(cfg: TuneConfig, *, fresh: bool = False, say: Callable[[str], None] = p
             event(e)
 
         job = {"kind": "candidates", "out": str(out), "progress": progress, "model": cfg.model, "batch": cfg.batch,
-               "seq": cfg.seq, "warmup": cfg.warmup, "steps": cfg.steps,
+               "seq": cfg.seq, "warmup": cfg.warmup, "steps": cfg.steps, "weights": cfg.weights,
                "hardware": str((out / "profile_microbench.json").resolve()), "timeout_s": 300,
                "plans": [{"id": i, "path": str((cand_dir / f"{i}.json").resolve())} for i in todo]}
         try:

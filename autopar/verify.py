@@ -70,17 +70,20 @@ def small_batch(plan: Plan, wanted: int | None) -> int:
     return k * max(1, math.ceil(4 / k))
 
 
-def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: int | None, steps: int):
+def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: int | None, steps: int,
+          weights: str | None = None):
     import autopar
     from autopar.model_source import resolve
 
     src = resolve(model_text)
     plan = Plan.from_json(plan_json)
     torch.manual_seed(0)
-    model = src.build()
+    with torch.device("meta" if weights else "cpu"):  # from weights: each rank reads only its slices
+        model = src.build()
     x0, _ = src.example_batch(batch, seq_len=seq, generator=torch.Generator().manual_seed(1))
     # a CPU world by design, also where a GPU is visible (the ranks are forked: no CUDA in them)
-    pm = autopar.parallelize(model, autopar.mesh(**plan.mesh, device_type="cpu"), example_inputs=x0, plan=plan)
+    pm = autopar.parallelize(model, autopar.mesh(**plan.mesh, device_type="cpu"), example_inputs=x0, plan=plan,
+                             weights=weights)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=LR)
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -94,12 +97,16 @@ def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: 
     return losses, autopar.export_state_dict(pm, like=model)
 
 
-def _reference(model_text: str, batch: int, seq: int | None, steps: int):
+def _reference(model_text: str, batch: int, seq: int | None, steps: int, weights: str | None = None):
     from autopar.model_source import resolve
 
     src = resolve(model_text)
     torch.manual_seed(0)
     model = src.build()
+    if weights:
+        from autopar.build.materialize import load_into  # noqa: PLC0415
+
+        load_into(model, weights)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -114,7 +121,7 @@ def _reference(model_text: str, batch: int, seq: int | None, steps: int):
 
 
 def verify(model_text: str, plan: Plan, *, batch: int | None = None, seq: int | None = None, steps: int = 3,
-           max_procs: int = 8) -> VerifyResult:
+           max_procs: int = 8, weights: str | None = None) -> VerifyResult:
     """Run `plan` against one process (see the module docstring)."""
     import time
 
@@ -138,8 +145,8 @@ def verify(model_text: str, plan: Plan, *, batch: int | None = None, seq: int | 
     batch = small_batch(plan, batch)
     seq = seq if seq is not None else (min(src.default_seq, 16) if src.default_seq else None)
     t0 = time.perf_counter()
-    results = run_world(ws, _rank, model_text, plan.to_json(), batch, seq, steps)
-    ref_losses, ref_params = _reference(model_text, batch, seq, steps)
+    results = run_world(ws, _rank, model_text, plan.to_json(), batch, seq, steps, weights)
+    ref_losses, ref_params = _reference(model_text, batch, seq, steps, weights)
     full = results[0][1]
     worst, missing = ("", 0.0), []
     for name, ref in ref_params.items():

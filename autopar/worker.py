@@ -212,17 +212,19 @@ class Session:
     """One plan built on this rank (model, parallelize, optimizer, batches), stepped on demand."""
 
     def __init__(self, source, plan, *, batch: int, seq: int | None, n_batches: int, hardware: str | None,
-                 device: str, lr: float = 1e-3):
+                 device: str, lr: float = 1e-3, weights: str | None = None, world_size: int | None = None):
         import autopar
 
         self.source, self.device = source, device
         torch.manual_seed(0)
-        with torch.device(device):
+        # with weights, the model is built on meta: each rank allocates and reads only its part
+        with torch.device("meta" if weights else device):
             model = source.build()
         x0, _ = source.example_batch(batch, seq_len=seq, generator=torch.Generator().manual_seed(1), device=device)
         t0 = time.perf_counter()
-        self.pm = autopar.parallelize(model, autopar.mesh(**plan.mesh, device_type=device), example_inputs=x0,
-                                      plan=plan, hardware=hardware)
+        mesh = autopar.mesh(**plan.mesh, device_type=device) if plan is not None else \
+            autopar.mesh(world_size=world_size or dist.get_world_size(), device_type=device)  # the joint planner
+        self.pm = autopar.parallelize(model, mesh, example_inputs=x0, plan=plan, hardware=hardware, weights=weights)
         self.setup_s = time.perf_counter() - t0
         self.opt = autopar.optimizer(self.pm, torch.optim.AdamW, lr=lr)
         g = torch.Generator().manual_seed(2)
@@ -278,16 +280,25 @@ class Session:
 
 
 def run_plan(source, plan, *, batch: int, seq: int | None, warmup: int, steps: int, hardware: str | None,
-             device: str, measure_memory: bool = True, lr: float = 1e-3, ev=None) -> dict[str, Any]:
-    """Train `source` under `plan` for warmup + steps steps; returns the measurements (every rank)."""
+             device: str, measure_memory: bool = True, lr: float = 1e-3, ev=None, weights: str | None = None,
+             save: str | None = None) -> dict[str, Any]:
+    """Train `source` under `plan` (None: the joint planner's for this world) for warmup + steps
+    steps, from `weights` when given (a checkpoint read slice by slice), then write the trained
+    weights as a Hugging Face checkpoint to `save` when given; returns the measurements (every rank)."""
     ev = ev or (lambda **_: None)
     s = Session(source, plan, batch=batch, seq=seq, n_batches=warmup + steps + 1, hardware=hardware, device=device,
-                lr=lr)
+                lr=lr, weights=weights)
     for i in range(warmup + steps):
         s.step(timed=i >= warmup)
         ev(task="steps", advance=1, desc=f"step {i + 1}/{warmup + steps}")
     peak = s.memory() if measure_memory else None
-    return s.result(peak)
+    res = s.result(peak)
+    res["mesh"] = dict(s.pm.plan.mesh)
+    if save:
+        import autopar  # noqa: PLC0415
+
+        res["saved"] = autopar.save_pretrained(s.pm, save)
+    return res
 
 
 def _fail(c: dict, e: BaseException) -> dict[str, Any]:
@@ -322,6 +333,7 @@ def candidates(job: dict[str, Any]) -> None:
     interleave = job.get("interleave", device == "cpu")
     ev(task="runs", total=len(todo) * (warmup + steps + 1), desc="running plans")
     opts = dict(batch=job["batch"], seq=job["seq"], n_batches=warmup + steps + 1, hardware=job.get("hardware"),
+                weights=job.get("weights"),
                 device=device)
 
     def finish(c, res):
@@ -383,16 +395,20 @@ def train(job: dict[str, Any]) -> None:
 
     device = _device()
     source = resolve(job["model"])
-    plan = Plan.from_json(Path(job["plan"]).read_text())
+    plan = Plan.from_json(Path(job["plan"]).read_text()) if job.get("plan") else None
     res = run_plan(source, plan, batch=job["batch"], seq=job["seq"], warmup=0, steps=job["steps"],
-                   hardware=job.get("hardware"), device=device, measure_memory=False, lr=job.get("lr", 1e-3))
+                   hardware=job.get("hardware"), device=device, measure_memory=False, lr=job.get("lr", 1e-3),
+                   weights=job.get("weights"), save=job.get("save"))
     if dist.get_rank() == 0:
-        print(f"trained {source.name} on {plan.mesh} for {job['steps']} steps ({device}, "
-              f"world {res['world_size']}, setup {res['setup_s']:.1f} s)")
+        print(f"trained {source.name} on {res['mesh']} for {job['steps']} steps ({device}, "
+              f"world {res['world_size']}, setup {res['setup_s']:.1f} s"
+              + (f", weights from {job['weights']}" if job.get("weights") else "") + ")")
         print(f"{'step':>4}  {'loss':>10}  {'time':>10}")
         for i, (loss, t) in enumerate(zip(res["losses"], res["step_s_all"])):
             print(f"{i:>4}  {loss:>10.4f}  {t * 1e3:>7.1f} ms")
         sys.stdout.flush()
+        if job.get("save"):
+            print(f"saved a Hugging Face checkpoint to {job['save']} ({len(res.get('saved', []))} files)")
         if job.get("result"):
             _write(Path(job["result"]), {k: v for k, v in res.items()})
 

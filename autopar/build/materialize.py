@@ -98,6 +98,24 @@ def open_weights(weights: Any, model: nn.Module, *, strict: bool = True) -> Any:
     return src
 
 
+def load_into(model: nn.Module, weights: Any) -> list[str]:
+    """Fill a real, one-process `model` from a weight source, checked as `parallelize` checks
+    it, one tensor at a time (the reference runs of `autopar verify`). Returns the names filled."""
+    src = open_weights(weights, model)
+    sd = model.state_dict(keep_vars=True)
+    by_id: dict[int, list[str]] = {}
+    for n, t in sd.items():
+        by_id.setdefault(id(t), []).append(n)
+    found = src.resolve(list(sd), [g for g in by_id.values() if len(g) > 1])
+    done = []
+    with torch.no_grad():
+        for n, t in sd.items():
+            if found.get(n) is not None:
+                t.copy_(src.read(found[n], (0,) * t.dim(), tuple(t.shape), t.dtype))
+                done.append(n)
+    return done
+
+
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
