@@ -158,7 +158,7 @@ def check_example_inputs(example_inputs: Any, mesh, plan=None, *, n_microbatches
         for name, t in tensors:
             if t.dim() > 0 and t.shape[0] % k:
                 good = k * max(1, round(t.shape[0] / k))
-                raise ValueError(f"{name} has {t.shape[0]} rows, which do not divide by "
+                raise ValueError(f"{name} has {t.shape[0]} rows: that number does not divide by "
                                  f"{_split_text(mesh, dp_axis, micro)} = {k}; use a global batch that is a multiple "
                                  f"of {k} (e.g. {good}), or fewer micro-batches")
 
@@ -385,7 +385,7 @@ def check_step_batch(batch: Any, global_gm, mesh, *, dp_axis: str | None = "dp",
                                      f"{_shape_text(want)}: dim {d} must be {w}; keep the sizes after the batch "
                                      "dim of the example inputs (or parallelize again with the new shape)")
         if x.dim() > 0 and k > 1 and x.shape[0] % k:
-            raise ValueError(f"{name} has {x.shape[0]} rows, which do not divide by "
+            raise ValueError(f"{name} has {x.shape[0]} rows: that number does not divide by "
                              f"{_split_text(mesh, dp_axis, n_microbatches)} = {k}; use a global batch that is a "
                              f"multiple of {k}")
     for name, t in tgt:

@@ -106,14 +106,18 @@ def _run_rank(rank: int, ws: int, name: str, asked: dict, opts: dict, dump_dir: 
     sp = zoo.spec(name, "tiny", style)
     x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
     meta = None
-    if also_meta:  # the same mesh, the model built on meta and initialized by its own modules, rank by rank
-        with torch.device("meta"):
-            meta_model = sp.build()
-        pm = autopar.parallelize(meta_model, autopar.mesh(**asked), example_inputs=x0,
-                                 weights=autopar.ModuleInit(seed=0, dtype=torch.float32), **opts)
-        meta = _train(sp, pm, meta_model)
     torch.manual_seed(0)
     model = sp.build()
+    if also_meta:  # the same mesh, the model built on meta and filled rank by rank
+        from autopar.build.init_replay import constructor_draws  # noqa: PLC0415
+
+        with torch.device("meta"):
+            meta_model = sp.build()
+        # the modules' own init where it replays exactly; else the seed-0 weights as a state dict
+        weights = autopar.ModuleInit(seed=0, dtype=torch.float32) if not constructor_draws(meta_model) else \
+            {k: v.detach().clone() for k, v in model.state_dict().items()}
+        pm = autopar.parallelize(meta_model, autopar.mesh(**asked), example_inputs=x0, weights=weights, **opts)
+        meta = _train(sp, pm, meta_model)
     pm = autopar.parallelize(model, autopar.mesh(**asked), example_inputs=x0, **opts)
     losses, norm, sd = _train(sp, pm, model)
     files = pm.dump(dump_dir) if dump_dir else []

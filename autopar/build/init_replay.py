@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -229,6 +230,35 @@ def _pretrained_class():
     except ImportError:
         return None
     return PreTrainedModel
+
+
+_DRAWS = re.compile(r"\btorch\.(randn|rand|randint|randperm|normal|bernoulli|multinomial)\(|"
+                    r"\.(normal_|uniform_|trunc_normal_|kaiming_normal_|kaiming_uniform_|xavier_normal_|"
+                    r"xavier_uniform_|orthogonal_|sparse_|random_|bernoulli_|exponential_|geometric_|cauchy_|"
+                    r"log_normal_)\(|\b_reset_parameters\(")
+
+
+def constructor_draws(model: nn.Module) -> list[str]:
+    """Module classes of `model` whose constructor draws random numbers itself rather than
+    through `reset_parameters()` (`nn.Parameter(torch.randn(...))`, `nn.init.normal_(...)`
+    in `__init__`): a replay cannot redo those draws, so the RNG stream of a CPU build, and
+    every value drawn after them, is not reproduced. Read from the constructors' source."""
+    import inspect  # noqa: PLC0415
+
+    out = []
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        init = cls.__dict__.get("__init__")
+        if init is None or cls.__module__.startswith("torch.nn."):
+            continue  # torch's own modules draw only through reset_parameters
+        try:
+            src = inspect.getsource(init)
+        except (OSError, TypeError):
+            continue
+        code = "\n".join(line.split("#", 1)[0] for line in src.splitlines())
+        m = _DRAWS.search(code)
+        if m:
+            out.append(f"{cls.__name__}.__init__ ({m.group(0).strip('.(')})")
+    return out
 
 
 @contextlib.contextmanager

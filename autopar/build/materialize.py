@@ -33,7 +33,7 @@ from autopar.runtime.checkpoint_entries import engines_of, held_pieces, local_ch
 from autopar.runtime.checkpoint_files import StateSource
 from autopar.runtime.checkpoint_load import import_state
 
-from .init_replay import Region, replay_init
+from .init_replay import Region, constructor_draws, replay_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +198,9 @@ def materialize(engine, mesh, model: nn.Module, weights: Any, *, layouts: Mappin
     report = MaterializeReport(describe_source(weights), [], [], [], [])
     if weights is None or isinstance(weights, ModuleInit):
         res = replay_init(model, regions, seed=getattr(weights, "seed", None), init_dtype=getattr(weights, "dtype", None))
-        _warn_not_reproduced(res.untouched, res.inexact)
-        report.not_reproduced = sorted(set(res.untouched) | set(res.inexact))
+        draws = constructor_draws(model)
+        _warn_not_reproduced(res.untouched, res.inexact, draws)
+        report.not_reproduced = sorted(set(res.untouched) | set(res.inexact)) + draws
         src = _PieceSource(res.pieces, regions, shapes)
         report.initialized = import_state(engine, mesh, src, layouts=layouts, global_shapes=global_shapes,
                                           aliases=aliases, strict=True)
@@ -234,7 +235,12 @@ def _is_buffer(engine, name: str) -> bool:
     return False
 
 
-def _warn_not_reproduced(untouched: Sequence[str], inexact: Sequence[str]) -> None:
+def _warn_not_reproduced(untouched: Sequence[str], inexact: Sequence[str], draws: Sequence[str] = ()) -> None:
+    if draws:
+        warnings.warn(f"{list(draws)[:6]} draw random numbers in their constructors, outside reset_parameters: a replay "
+                      "on meta cannot redo those draws, so the values are a valid initialization by the modules' own "
+                      "init but NOT those of one process building the model on the CPU with the same seed; give "
+                      "weights= a checkpoint for bit-equal values", stacklevel=3)
     if untouched:
         warnings.warn(f"no reset_parameters / initialize_weights of the model writes {list(untouched)[:8]}: they are "
                       "zeros, NOT what one process building the model on the CPU would draw (a constructor that "

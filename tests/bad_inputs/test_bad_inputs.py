@@ -166,7 +166,7 @@ def test_a_step_batch_unlike_the_captured_one_names_the_part_and_the_fix(trained
 
 def test_a_step_batch_that_dp_and_micro_batches_cannot_split_is_refused(trained):
     pm, x, y = trained
-    with pytest.raises(ValueError, match=r"batch\[0\] has 6 rows, which do not divide by dp=2 x micro-batches=2 = 4"):
+    with pytest.raises(ValueError, match=r"batch\[0\] has 6 rows: that number does not divide by dp=2 x micro-batches=2 = 4"):
         check_step_batch((x[:6], y[:6]), pm.global_graph, _mesh(dp=2), n_microbatches=2)
     check_step_batch((x, y), pm.global_graph, _mesh(dp=2), n_microbatches=2)  # 8 rows: fine
 

@@ -100,3 +100,17 @@ def test_parallelize_warns_naming_what_the_init_cannot_reproduce():
     assert any("scale" in str(x.message) and "NOT" in str(x.message) for x in w), [str(x.message) for x in w]
     assert any("NOT reproduced" in n and "scale" in n for n in pm.plan.notes), pm.plan.notes
     assert not any(t.is_meta for t in pm.program.parameters())
+
+
+def test_constructors_that_draw_outside_reset_parameters_are_named():
+    transformers = pytest.importorskip("transformers")
+    from autopar.build.init_replay import constructor_draws
+
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                                                    bos_token_id=0, eos_token_id=0))
+        raw = _RawDraw()
+        ours = get("gpt-tiny").build()
+    assert constructor_draws(gpt2) == ["Conv1D.__init__ (normal_)"]  # transformers' Conv1D draws in __init__
+    assert constructor_draws(raw) == ["_RawDraw.__init__ (torch.randn)"]
+    assert constructor_draws(ours) == []
