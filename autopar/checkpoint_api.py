@@ -52,14 +52,9 @@ def _model_info(model) -> dict[str, Any]:
     if not isinstance(model, ParallelModel):
         raise TypeError(f"expected the model returned by autopar.parallelize, got {type(model).__name__}; "
                         "for a plain nn.Module use torch.distributed.checkpoint or torch.save directly")
-    gm = model.global_graph
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_id: dict[int, list[str]] = {}
-    for n, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        shapes[n] = tuple(t.shape)
-        by_id.setdefault(id(t), []).append(n)
-    return {"layouts": dict(model.plan.param_layouts), "global_shapes": shapes,
-            "aliases": [sorted(g) for g in by_id.values() if len(g) > 1]}
+    from autopar.build.model_tensors import model_tensors  # noqa: PLC0415
+
+    return model_tensors(model.global_graph, model.plan)
 
 
 def _check_path(path, what: str) -> None:

@@ -88,3 +88,14 @@ def test_a_real_model_given_weights_takes_the_sources_values():
     torch.manual_seed(0)
     ref = get("gpt-tiny").build()
     torch.testing.assert_close(pm(*x), ref(*x), rtol=0, atol=0)
+
+
+def test_an_autopar_checkpoint_directory_is_a_weight_source(tmp_path):
+    spec = get("gpt-tiny")
+    x, _ = spec.example_batch(4)
+    torch.manual_seed(0)
+    real = autopar.parallelize(spec.build(), autopar.mesh(dp=1), example_inputs=x)
+    autopar.save(real, str(tmp_path / "ckpt"))
+    pm = _parallelize(str(tmp_path / "ckpt"))
+    assert any("dcp" in n for n in pm.plan.notes), pm.plan.notes
+    torch.testing.assert_close(pm(*x), real(*x), rtol=0, atol=0)
