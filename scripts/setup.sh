@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
-    echo "[setup] no torch found: installing torch==2.13.0 (CPU build) first"
+    # pip takes a local CPU wheel where the machine has one (CI's Python 3.11); elsewhere PyPI's
+    # default Linux build, which carries CUDA libraries (several GB) and runs on a CPU as well
+    echo "[setup] no torch found: installing torch==2.13.0 first"
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
