@@ -7,7 +7,9 @@ reported by number with its traceback (or as "did not finish").
 
 Processes are forked (~0.1 s a world) unless this process has initialised CUDA: a forked
 child cannot use CUDA then ("Cannot re-initialize CUDA in forked subprocess"), so an NCCL
-world starts by spawn. A gloo world stays forked: its ranks run on the CPU (a mesh follows the
+world starts by spawn. With a GPU build of torch (CUDA or ROCm libraries, GPU or not) a forked
+child cannot run autograd once its parent has, so ranks fork from a fork server instead
+(`fn` and its arguments must then pickle: module-level functions). A gloo world stays forked: its ranks run on the CPU (a mesh follows the
 job's backend, `runtime.mesh.default_device_type`) and never touch CUDA.
 
 `init_job_process_group` is the one place autopar starts a job's default group: NCCL bound to
@@ -93,11 +95,16 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, fn: Callabl
 
 def default_start_method(backend: str) -> str:
     """fork, unless the world will use CUDA (an NCCL backend) and this process has initialised
-    CUDA already: a forked child could not use it."""
+    CUDA already (a forked child could not use it: spawn), or torch is a GPU build (forkserver:
+    the autograd engine of a CUDA/ROCm build refuses to run in a child forked after its parent
+    ran a backward pass, "Unable to handle autograd's threading in combination with fork-based
+    multiprocessing", GPU or not; the fork server is a fresh interpreter that never ran one)."""
     import torch
 
     if "nccl" in backend and torch.cuda.is_initialized():
         return "spawn"
+    if torch.version.cuda or getattr(torch.version, "hip", None):
+        return "forkserver"
     return "fork"
 
 
@@ -116,6 +123,8 @@ def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     method = start_method or os.environ.get("AUTOPAR_START_METHOD") or default_start_method(backend)
     ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "autopar"])  # each rank forks from a server that imported them
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     queue = ctx.Queue()
