@@ -93,7 +93,11 @@ def open_weights(weights: Any, model: nn.Module, *, strict: bool = True) -> Any:
         expected_config = None
         if cfg is not None and getattr(cfg, "model_type", None):
             expected_config = {"model_type": cfg.model_type, "architectures": [type(model).__name__]}
-        src.check({n: (tuple(t.shape), t.dtype) for n, t in sd.items()},
+        expected = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
+        for n, b in model.named_buffers(remove_duplicate=False):  # non-persistent ones: welcome when present
+            if n not in expected and n in src:
+                expected[n] = (tuple(b.shape), b.dtype)
+        src.check(expected,
                   aliases=[g for g in by_id.values() if len(g) > 1], expected_config=expected_config)
     return src
 
