@@ -28,6 +28,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import uuid
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -97,6 +98,25 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def swap_into_place(tmp: str, path: str, token: str) -> None:
+    """Rename the finished directory `tmp` to `path`. A directory already at `path` is moved
+    aside first, put back if the rename fails, and removed only once the new one is in place,
+    so `path` always names a complete directory."""
+    old = None
+    if os.path.lexists(path):
+        old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{token}")
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if old is not None:
+            os.rename(old, path)
+        raise
+    fsync_dir(os.path.dirname(path))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_json(path: str, obj) -> None:

@@ -432,21 +432,9 @@ def _commit(path, tmp, parts, manifest, plan, overwrite, token) -> None:
     files.write_json(os.path.join(tmp, files.PLAN_FILE), plan)
     files.write_json(os.path.join(tmp, files.MANIFEST), {**manifest, "files": listing})
     files.fsync_dir(tmp)
-    old = None
-    if os.path.exists(path):
-        if not overwrite:
-            raise ValueError(f"{path!r} appeared during the save; not replacing it")
-        old = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old-{token}")
-        os.rename(path, old)
-    try:
-        os.rename(tmp, path)
-    except OSError:
-        if old is not None:
-            os.rename(old, path)  # the previous checkpoint back under its name
-        raise
-    files.fsync_dir(os.path.dirname(path))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"{path!r} appeared during the save; not replacing it")
+    files.swap_into_place(tmp, path, token)  # the previous checkpoint stays whole until then
 
 
 # --- the optimizer's entries and its part of the manifest --------------------------------

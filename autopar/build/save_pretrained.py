@@ -262,7 +262,9 @@ def _write_directory(staged: str, out_tmp: str, directory: str, specs: list, ali
         _write_config(config, out_tmp, dtype)
         rel.append("config.json")
     files.fsync_dir(out_tmp)
-    _replace(out_tmp, directory, token)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} exists and is not a directory; give a directory path")
+    files.swap_into_place(out_tmp, directory, token)
     return [os.path.join(directory, r) for r in rel]
 
 
@@ -284,23 +286,3 @@ def _write_config(config: Any, out_dir: str, dtype: torch.dtype | None) -> None:
         if "torch_dtype" in cfg:
             cfg["torch_dtype"] = name
         files.write_json(path, cfg)
-
-
-def _replace(tmp: str, directory: str, token: str) -> None:
-    """Move the finished `tmp` to `directory`; an existing directory there is moved aside
-    first and removed last (put back if the move fails)."""
-    old = None
-    if os.path.lexists(directory):
-        if not os.path.isdir(directory):
-            raise ValueError(f"{directory!r} exists and is not a directory; give a directory path")
-        old = os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}.old-{token}")
-        os.rename(directory, old)
-    try:
-        os.rename(tmp, directory)
-    except OSError:
-        if old is not None:
-            os.rename(old, directory)
-        raise
-    files.fsync_dir(os.path.dirname(directory))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
