@@ -142,10 +142,10 @@ def write_dump(result: PlanResult, out_dir: str, *, all_ranks: bool = False, top
         f, b, p2p = pipe_info.get("stage_fwd_s"), pipe_info.get("stage_bwd_s"), pipe_info.get("p2p_s")
         sim = simulate(sched, f=f, b=b, p2p=p2p) if f and b and p2p is not None else simulate(sched)
         gantt = gantt_svg(sim)
-    from autopar.cost.estimate import _fold
+    from autopar.cost.estimate_report import fold_layers
 
     layers = [(name if n == 1 else f"{name} (x{n})", rep_.fwd_s, rep_.bwd_s, rep_.comm_s, rep_.saved_bytes)
-              for name, rep_, n in _fold(est0.layers)
+              for name, rep_, n in fold_layers(est0.layers)
               if rep_.fwd_s or rep_.bwd_s or rep_.comm_s or rep_.saved_bytes]
     pred = result.best.predicted
     facts = [("model", result.source.describe()), ("hardware", f"{hw.name}: {hw.description}"),

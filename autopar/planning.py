@@ -222,9 +222,9 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
 def shard_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> None:
     """Fill the plan's tp strategies and layouts as `autopar.parallelize` does (its own code,
     so that a plan made here runs unchanged)."""
-    from autopar.api import _search_sharding
+    from autopar.search.shard_search import search_sharding
 
-    _search_sharding(plan, global_gm, Mesh(dict(plan.mesh)), hardware)
+    search_sharding(plan, global_gm, Mesh(dict(plan.mesh)), hardware)
 
 
 def expert_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> None:

@@ -2,7 +2,9 @@
 
   analyze(gm, hardware)            per-node FLOPs (FlopCounterMode convention), bytes, saved
                                    tensors, symbolic in b/s          (graph.py, ops.py, saved.py)
-  estimate(gm, plan, hardware)     step time, overlap, memory per rank, per layer (estimate.py)
+  estimate(gm, plan, hardware)     step time, overlap, memory per rank, per layer (estimate.py;
+                                   its result estimate_report.py, per-node time node_time.py,
+                                   ZeRO's buckets and units zero_comm.py)
   model_states / liveness          parameter, gradient, optimizer bytes; activation peak (memory.py)
   bytes_sent / collective_time     collectives per algorithm and mesh axis          (comm.py)
   payload_bytes                    what runtime.collectives.COUNTER records per call (comm.py)
@@ -11,7 +13,8 @@
 It reads `node.meta["val"]` and `node.meta["nn_module_stack"]` and writes no node.meta key.
 """
 from .comm import COLLECTIVES, axis_links, bytes_sent, collective_time, padded_payload, payload_bytes, total_bytes_sent
-from .estimate import CommReport, Estimate, LayerReport, estimate
+from .estimate import estimate
+from .estimate_report import CommReport, Estimate, LayerReport
 from .graph import GraphCost, NodeCost, ParamInfo, analyze
 from .hardware import Hardware, Link, load_profile, profile_names
 from .memory import OptimizerSpec, StateBytes, liveness, model_states, params_of

@@ -52,246 +52,27 @@ of the runtime (gloo test tests/dist/test_cost_counter.py), the reported-loss al
 """
 from __future__ import annotations
 
-import bisect
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
 
 from autopar.passes.plan import Plan
-from autopar.runtime.placement import Partial, Shard
-from autopar.runtime.zero_shard import FIRST_BUCKET_MB
 
 from . import comm as C
-from .graph import GraphCost, NodeCost, ParamInfo, analyze
+from .estimate_report import CommReport, Estimate, LayerReport
+from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
 from .memory import OptimizerSpec, StateBytes, liveness, model_states, padded_numel, rows_of, tp_local_shape
+from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
+from .zero_comm import grad_buckets, zero3_timeline
+
+__all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
 
 
-@dataclass
-class LayerReport:
-    name: str
-    nodes: int
-    fwd_flops: float
-    bwd_flops: float
-    fwd_s: float
-    bwd_s: float
-    comm_s: float  # collectives issued for this layer (ZeRO-3 gathers, graph collectives)
-    saved_bytes: float
-    param_bytes: float  # this rank's parameter bytes of the layer
-
-
-@dataclass
-class CommReport:
-    op: str
-    axis: str
-    phase: str  # forward | backward | step
-    calls: int
-    payload_bytes: float  # summed payloads, as runtime.collectives.COUNTER counts them
-    bytes_sent: float  # bytes this rank puts on the wire (ring formulas in comm.py)
-    time_s: float
-    exposed_s: float
-
-
-@dataclass
-class Estimate:
-    hardware: str
-    mesh: dict[str, int]
-    zero_stage: int
-    sizes: dict[str, int]
-    world_size: int
-    step_s: float  # fwd_s + bwd_s + optimizer_s + exposed communication after the step (ZeRO 1/2 gather)
-    fwd_s: float  # all micro-batches' forward, including communication it waits for
-    bwd_s: float  # all micro-batches' backward, including communication it waits for
-    optimizer_s: float
-    comm_s: float  # every collective's time
-    comm_exposed_s: float  # the part not hidden behind compute
-    comm_overlapped_s: float
-    fwd_flops: float  # per rank, FlopCounterMode convention
-    bwd_flops: float
-    mfu: float
-    memory: dict[str, float]
-    bytes_per_axis: dict[str, dict[str, float]]
-    comm: list[CommReport]
-    layers: list[LayerReport]
-    unknown_ops: dict[str, int]
-    unknown_saved: dict[str, int]
-    notes: list[str] = field(default_factory=list)
-    ranks: str = "every rank alike (data parallel); figures are rank 0's, the largest ZeRO chunk"
-    analysis_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("analysis_s")
-        return d
-
-    def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent, default=float)
-
-    @property
-    def fits(self) -> bool:
-        return self.memory["peak"] <= self.memory["capacity"]
-
-    def collectives(self, phase: str | None = None) -> dict[str, dict[str, int]]:
-        """Calls and payload bytes per collective and axis, summed over phases (or of one
-        phase: "forward", "backward", "step"), keyed and sorted as
-        `runtime.collectives.COUNTER.snapshot()`: {"all_reduce@dp": {"calls": 3, "bytes": 1234}}."""
-        out: dict[str, dict[str, int]] = {}
-        for r in self.comm:
-            if phase is not None and r.phase != phase:
-                continue
-            row = out.setdefault(f"{r.op}@{r.axis}", {"calls": 0, "bytes": 0})
-            row["calls"] += r.calls
-            row["bytes"] += int(round(r.payload_bytes))
-        return dict(sorted(out.items()))
-
-    def summary(self) -> dict[str, Any]:
-        """The headline figures (for Plan.predicted): times in s, memory in bytes, per rank."""
-        return {"hardware": self.hardware, "sizes": dict(self.sizes), "step_s": self.step_s, "fwd_s": self.fwd_s,
-                "bwd_s": self.bwd_s, "optimizer_s": self.optimizer_s, "comm_s": self.comm_s,
-                "comm_exposed_s": self.comm_exposed_s, "mfu": self.mfu, "peak_bytes": self.memory["peak"],
-                "capacity_bytes": self.memory["capacity"], "fits": self.fits,
-                "bytes_sent_per_axis": {a: b["sent"] for a, b in self.bytes_per_axis.items()}}
-
-    # --- printing ----------------------------------------------------------------------
-    def table(self):
-        """A rich renderable: summary, memory and the per-layer table (identical consecutive
-        layers folded into one row)."""
-        from rich.console import Group
-        from rich.table import Table
-
-        summary = Table(title=f"autopar estimate: {self.hardware}, mesh {self.mesh}, ZeRO-{self.zero_stage}, "
-                              f"sizes {self.sizes}", show_header=False)
-        summary.add_column("what")
-        summary.add_column("value", justify="right")
-        for k, v in [("step", _ms(self.step_s)), ("forward", _ms(self.fwd_s)), ("backward", _ms(self.bwd_s)),
-                     ("optimizer", _ms(self.optimizer_s)), ("communication", _ms(self.comm_s)),
-                     ("  exposed", _ms(self.comm_exposed_s)), ("  overlapped", _ms(self.comm_overlapped_s)),
-                     ("FLOPs fwd+bwd / rank", f"{self.fwd_flops + self.bwd_flops:.3e}"), ("MFU", f"{self.mfu:.1%}")]:
-            summary.add_row(k, v)
-        for k in ("params", "grads", "master", "optimizer", "buffers", "activations", "transient", "peak",
-                  "capacity"):
-            summary.add_row(f"memory {k}", _gb(self.memory[k]))
-        for axis, b in self.bytes_per_axis.items():
-            summary.add_row(f"bytes sent on {axis}", _gb(b["sent"]))
-        if self.unknown_ops:
-            summary.add_row("ops costed by fallback", ", ".join(f"{k} x{v}" for k, v in self.unknown_ops.items()))
-        layers = Table(title="per layer, one rank: time in ms, forward GFLOP, MiB")
-        for col in ("layer", "fwd", "bwd", "comm", "GFLOP", "saved", "params"):
-            layers.add_column(col, justify="left" if col == "layer" else "right", no_wrap=True)
-        for name, rep, n in _fold(self.layers):
-            if not (rep.fwd_s or rep.bwd_s or rep.comm_s or rep.saved_bytes or rep.param_bytes):
-                continue  # nothing to show (e.g. index arithmetic at the root); still in to_json()
-            layers.add_row(name if n == 1 else f"{name} (x{n})", f"{rep.fwd_s * 1e3:.3f}", f"{rep.bwd_s * 1e3:.3f}",
-                           f"{rep.comm_s * 1e3:.3f}", f"{rep.fwd_flops / 1e9:.2f}", f"{rep.saved_bytes / 2**20:.1f}",
-                           f"{rep.param_bytes / 2**20:.1f}")
-        return Group(summary, layers)
-
-    def __rich__(self):
-        return self.table()
-
-    def print(self, console=None) -> None:
-        from rich.console import Console
-
-        (console or Console()).print(self.table())
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.3f} ms"
-
-
-def _gb(b: float) -> str:
-    return f"{b / 2**30:.3f} GiB" if b >= 2**27 else f"{b / 2**20:.3f} MiB"
-
-
-def _fold(layers: list[LayerReport]):
-    """Consecutive layers with equal figures as one row: ('layers.0..79', rep, 80)."""
-    out = []
-    for rep in layers:
-        sig = (round(rep.fwd_s, 12), round(rep.bwd_s, 12), rep.fwd_flops, rep.saved_bytes, rep.param_bytes, rep.nodes)
-        if out and out[-1][3] == sig and rep.name.split(".")[:-1] == out[-1][1].name.split(".")[:-1]:
-            out[-1][2] += 1
-            out[-1][4] = rep.name
-        else:
-            out.append([rep.name, rep, 1, sig, rep.name])
-    return [(f"{first}..{last.split('.')[-1]}" if n > 1 else first, rep, n) for first, rep, n, _sig, last in out]
-
-
-# ------------------------------------------------------------------------ times
-class NodeTimer:
-    """(forward, backward) seconds of one node on one rank: the one per-node time formula the
-    estimate, the searches (sharding, fusion, planner) and the memory timeline share."""
-
-    def __init__(self, hw: Hardware, values):
-        self.hw, self.values = hw, values
-        self.cache: dict[Any, tuple[float, float]] = {}
-
-    def ev(self, x) -> float:
-        return evaluate(x, self.values)
-
-    def node(self, n: NodeCost, div: int = 1) -> tuple[float, float]:
-        """(forward, backward) seconds of one node's compute on one rank."""
-        c = n.cost
-        if c.kind in ("none", "view", "comm"):
-            return 0.0, 0.0
-        key = (id(c), n.bwd_flops, n.has_grad_fn, tuple(nb for _k, nb, _t in n.saved), div)
-        hit = self.cache.get(key)
-        if hit is None:
-            hit = (self._t(c, self.ev(c.flops), self.ev(c.other_flops), self.ev(c.bytes_read + c.bytes_written), div),
-                   self._t(c, self.ev(n.bwd_flops), 2 * self.ev(c.other_flops), self._bwd_bytes(n), div)
-                   if n.has_grad_fn else 0.0)
-            self.cache[key] = hit
-        return hit
-
-    def _bwd_bytes(self, n: NodeCost) -> float:
-        b = sum(self.ev(t.nbytes) for t in n.outputs) + sum(self.ev(t.nbytes) for t in n.grad_inputs)
-        return b + sum(self.ev(nb) for _k, nb, _t in n.saved)
-
-    def _t(self, c, flops: float, other: float, nbytes: float, div: int) -> float:
-        hw = self.hw
-        flops, other, nbytes = flops / div, other / div, nbytes / div
-        t_c = 0.0
-        if c.kind == "matmul":
-            t_c = flops / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops or c.dtype == "fp32" else "fp32")
-                           * hw.eff("matmul"))
-        elif c.kind == "attention":
-            t_c = flops * c.causal_fraction / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops else "fp32")
-                                               * hw.eff("attention"))
-        t_v = other / (hw.device.vector_flops * hw.eff("vector"))
-        t_m = nbytes / (hw.device.memory_bandwidth * hw.eff("memory"))
-        return max(t_c + t_v, t_m) + hw.kernel_overhead_s
-
-
-# ------------------------------------------------------------------------ layouts (TP plug-in)
-def _divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], dict[Any, int]]:
-    """node index -> compute divisor; storage key -> memory divisor, from Plan.node_layouts."""
-    if plan is None or not plan.node_layouts:
-        return {}, {}
-    comp, mem = {}, {}
-    for n in gc.nodes:
-        lay = plan.node_layouts.get(n.key)
-        if lay is None:
-            continue
-        cd = md = 1
-        for axis, p in lay.axes:
-            if axis == plan.dp_axis or axis not in plan.mesh:
-                continue
-            if isinstance(p, (Shard, Partial)):
-                cd *= plan.mesh[axis]
-            if isinstance(p, Shard):
-                md *= plan.mesh[axis]
-        comp[n.index] = cd
-        for k in n.new_storages:
-            mem[k] = md
-    return comp, mem
-
-
-# ------------------------------------------------------------------------ the estimate
 def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,
              sizes: Mapping[str, int] | None = None, global_batch: int | None = None,
              batch_is_global: bool = False,
@@ -348,7 +129,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     values = gc.values(sizes)
     ev = lambda x: evaluate(x, values)  # noqa: E731
     timer = NodeTimer(hw, values)
-    comp_div, mem_div = _divisors(gc, plan)
+    comp_div, mem_div = layout_divisors(gc, plan)
 
     # --- compute per node, per layer ------------------------------------------------------
     fwd_t = [0.0] * len(gc.nodes)
@@ -419,7 +200,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     if dp > 1 and trainable:
         al = links[dp_axis]
         if zero < 3:
-            buckets = _buckets(trainable, plan.bucket_mb, local)
+            buckets = grad_buckets(trainable, plan.bucket_mb, local)
             op = "all_reduce" if zero < 2 else "reduce_scatter"
             payloads = [float(sum((local[p.name] if zero < 2 else dp * padded[p.name]) * grad_item[p.name]
                                   for p in members)) for members in buckets]
@@ -446,7 +227,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                     step_exposed += d
                     add_comm("all_gather", dp_axis, "step", payload, d, d)
         else:
-            fwd_exposed, bwd_exposed, ct, transient = _zero3(gc, fwd_t, bwd_t, al, algorithm, dp, grad_item,
+            fwd_exposed, bwd_exposed, ct, transient = zero3_timeline(gc, fwd_t, bwd_t, al, algorithm, dp, grad_item,
                                                                padded, add_comm, layer_comm)
             comm_total += ct
     comm_total += graph_comm_total
@@ -538,134 +319,3 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         unknown_ops=dict(sorted(gc.unknown_ops.items())), unknown_saved=dict(sorted(gc.unknown_saved.items())),
         notes=notes, analysis_s=time.perf_counter() - t0,
     )  # fmt: skip
-
-
-def _buckets(params: list[ParamInfo], bucket_mb: float, local: Mapping[str, int]) -> list[list[ParamInfo]]:
-    """Gradient buckets as runtime.zero_shard.make_buckets forms them: reverse registration
-    order; the first bucket holds at most min(FIRST_BUCKET_MB, bucket_mb), later ones
-    bucket_mb (sizes in the parameters' own bytes); a new bucket at a dtype change."""
-    cap = int(min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
-    out: list[list[ParamInfo]] = []
-    cur: list[ParamInfo] = []
-    size = 0
-    for p in reversed(params):
-        nb = local[p.name] * p.dtype.itemsize
-        if cur and (size + nb > cap or p.dtype != cur[0].dtype):
-            out.append(cur)
-            cur, size = [], 0
-            cap = int(bucket_mb * 2**20)
-        cur.append(p)
-        size += nb
-    if cur:
-        out.append(cur)
-    return out
-
-
-def zero3_units(names: list[str]) -> dict[str, str]:
-    """Parameter name -> the ZeRO-3 unit (module-path prefix, "" for the root) that
-    `runtime.zero_stage3.default_units` gives it, read from the names: one unit per top-level
-    child, split per element when the child's children are all numbered (ModuleList-like);
-    parameters of the root module itself form the root unit."""
-    kids: dict[str, list[str]] = {}
-    for n in names:
-        parts = n.split(".")
-        if len(parts) > 2:
-            kids.setdefault(parts[0], []).append(parts[1])
-        elif len(parts) == 2:
-            kids.setdefault(parts[0], []).append("")  # a parameter of the child itself
-    out = {}
-    for n in names:
-        parts = n.split(".")
-        if len(parts) == 1:
-            out[n] = ""
-        elif len(parts) > 2 and all(k.isdigit() for k in kids[parts[0]]):
-            out[n] = f"{parts[0]}.{parts[1]}"
-        else:
-            out[n] = parts[0]
-    return out
-
-
-def _zero3(gc: GraphCost, fwd_t, bwd_t, al, algorithm, dp, grad_item, padded, add_comm, layer_comm):
-    """ZeRO-3 (see the module docstring): gather events in forward order, each followed by its
-    segment of nodes; backward walks the events in reverse, re-gathering before a segment whose
-    nodes saved parameters of its unit and reduce-scattering after it. Returns (fwd exposed,
-    bwd exposed, comm time, transient bytes)."""
-    n_nodes = len(gc.nodes)
-    params = [p for p in gc.params if not p.is_buffer]
-    unit = zero3_units([p.name for p in gc.params])
-    by_unit: dict[str, list[ParamInfo]] = {}
-    for p in params:
-        by_unit.setdefault(unit[p.name], []).append(p)
-    gather = {u: float(sum(padded[p.name] * p.dtype.itemsize for p in ps)) for u, ps in by_unit.items()}
-    trainable_units = {u for u, ps in by_unit.items() if any(p.requires_grad for p in ps)}
-    rs = {u: float(dp * sum(padded[p.name] for p in ps) * grad_item[next(p.name for p in ps if p.requires_grad)])
-          for u, ps in by_unit.items() if u in trainable_units}
-
-    # gather events: (first node of the segment, unit), a new one whenever the unit changes
-    events: list[tuple[int, str]] = []
-    for p in sorted((p for p in params if p.first_use < n_nodes), key=lambda p: p.first_use):
-        if not events or events[-1][1] != unit[p.name]:
-            events.append((p.first_use, unit[p.name]))
-    bounds = [e[0] for e in events] + [n_nodes]
-    seg_fwd = [sum(fwd_t[i] for i in range(bounds[k], bounds[k + 1])) for k in range(len(events))]
-    seg_bwd = [sum(bwd_t[i] for i in range(bounds[k], bounds[k + 1])) for k in range(len(events))]
-    pre_fwd = sum(fwd_t[i] for i in range(bounds[0])) if events else sum(fwd_t)
-    pre_bwd = sum(bwd_t[i] for i in range(bounds[0])) if events else sum(bwd_t)
-    # which events' gathered tensors autograd saved: a node saving a parameter saves the
-    # tensor of the latest gather of its unit at or before that node
-    key_of = {p.key: p for p in params if p.key is not None}
-    starts_of: dict[str, list[tuple[int, int]]] = {}  # unit -> [(first node, event index)] in order
-    for k, (start, u) in enumerate(events):
-        starts_of.setdefault(u, []).append((start, k))
-    saved_in = [False] * len(events)
-    for n in gc.nodes:
-        if not n.has_grad_fn:
-            continue
-        for key, _nb, _tag in n.saved:
-            p = key_of.get(key)
-            if p is None or unit[p.name] not in starts_of:
-                continue
-            seq = starts_of[unit[p.name]]
-            j = bisect.bisect_right(seq, (n.index, len(events))) - 1
-            if j >= 0:
-                saved_in[seq[j][1]] = True
-    layer_of = [gc.nodes[start].layer for start, _u in events]
-    total = 0.0
-
-    def gather_at(k: int, free: float, issue: float, phase: str) -> float:
-        nonlocal total
-        u = events[k][1]
-        d = al.time("all_gather", gather[u], algorithm)
-        total += d
-        add_comm("all_gather", al.axis, phase, gather[u], d, 0.0)
-        layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
-        return max(free, issue) + d
-
-    # forward: gather k is issued once segment k-1 started (prefetch), segment k waits for it
-    t = pre_fwd
-    free = prev_start = 0.0
-    for k in range(len(events)):
-        free = gather_at(k, free, prev_start, "forward")
-        t = max(t, free)
-        prev_start = t
-        t += seg_fwd[k]
-    fwd_exp = t - pre_fwd - sum(seg_fwd)
-    # backward, in reverse: re-gather before a segment that needs it, reduce-scatter after
-    t = free = prev_start = 0.0
-    for k in reversed(range(len(events))):
-        if saved_in[k]:
-            free = gather_at(k, free, prev_start, "backward")
-            t = max(t, free)
-        prev_start = t
-        t += seg_bwd[k]
-        u = events[k][1]
-        if u in trainable_units:
-            d = al.time("reduce_scatter", rs[u], algorithm)
-            free = max(free, t) + d
-            total += d
-            add_comm("reduce_scatter", al.axis, "backward", rs[u], d, 0.0)
-            layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
-    t += pre_bwd
-    bwd_exp = max(t, free) - pre_bwd - sum(seg_bwd)
-    transient = 2 * dp * max(gather.values(), default=0.0)  # the gathered unit and the prefetched one
-    return fwd_exp, bwd_exp, total, transient

@@ -11,6 +11,8 @@ RMSNorm, bool vs. dtype dropout masks), which differ between CUDA and CPU.
 A profile may `"extends"` another by name; its keys are merged over the parent's (nested
 dicts merge key by key).
 
+`default_profile(device_type)` names the profile used when none is given.
+
 It reads and writes no `node.meta` keys. Guarantees: `load_profile` returns a validated,
 frozen `Hardware`, or raises `ValueError` naming the bad value or listing the known profiles.
 """
@@ -121,6 +123,12 @@ class Hardware:
 def profile_names() -> list[str]:
     """Names of the profiles shipped in autopar/cost/profiles/."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def default_profile(device_type: str) -> str:
+    """The shipped profile plans are made for when none is named: "cpu-gloo" for a CPU mesh,
+    "h100-sxm" for any accelerator."""
+    return "cpu-gloo" if device_type == "cpu" else "h100-sxm"
 
 
 def _merge(base: dict, over: Mapping) -> dict:

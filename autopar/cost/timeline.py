@@ -402,7 +402,7 @@ def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_input
 def node_timer(gc: GraphCost, hardware: Any, vals):
     """Per-node (forward, backward) seconds on `hardware` (default: the profile `gc` was
     analysed with), as `estimate` computes them."""
-    from .estimate import NodeTimer
+    from .node_time import NodeTimer
     from .hardware import load_profile
 
     return NodeTimer(load_profile(hardware or gc.hardware), vals)

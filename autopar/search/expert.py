@@ -13,9 +13,9 @@ ranks of rows received / mean). Time per all-to-all by the alpha-beta model of
 API: `ep_cost(blocks, mesh, ...) -> EPCost`, `rank_ep_degrees(...)` / `search_ep(gm, world, ...)`
 (the ep dimension of the planner: every feasible degree, cheapest first),
 `measured_imbalance(routes)` (the imbalance factor of recorded routes),
-`plan_experts(global_gm, mesh, ...) -> dict` (the `plan.extra["expert"]` entry), and
-`parallelize_experts(model, mesh, ...)`, the older parallelize glue for meshes with ep, kept
-for tests/dist/test_expert_parallel.py and benchmarks/bench_expert.py; the public path is
+`plan_experts(global_gm, mesh, ...) -> dict` (the `plan.extra["expert"]` entry). The older
+parallelize glue for meshes with ep, `parallelize_experts`, is `autopar/expert_parallelize.py`
+(it builds a program: not the search's job); the public path is
 `autopar.parallelize(model, autopar.mesh(ep=...))`.
 
 Guarantees: `plan_experts` refuses (ValueError) an ep degree that does not divide every
@@ -32,9 +32,12 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from autopar.cost.comm import axis_links
+from autopar.cost.hardware import load_profile
+
 # detection lives in expert_detect; its public names are re-exported for importers of this module
-from autopar.search.expert_detect import (MoEBlock, MoEDetectError, _Graph, _itemsize, detect_moe,  # noqa: F401
-                                          router_stats)
+from autopar.search.expert_detect import (MoEBlock, MoEDetectError, MoEGraph, detect_moe,  # noqa: F401
+                                          dtype_itemsize, router_stats)
 
 
 # --- cost ----------------------------------------------------------------------------------
@@ -77,9 +80,6 @@ def ep_cost(blocks: list[MoEBlock], mesh: Mapping[str, int], ep_axis: str = "ep"
     per step (the batch is split over dp x ep; tensor-parallel peers share tokens).
     `expert_tp`: the tp degree the experts themselves are sharded over (their compute and
     parameters divide by it; the all-to-alls do not)."""
-    from autopar.cost.comm import axis_links  # noqa: PLC0415
-    from autopar.cost.hardware import load_profile  # noqa: PLC0415
-
     if imbalance < 1.0:
         raise ValueError(f"imbalance is the busiest rank's load over the mean, >= 1; got {imbalance}")
     hw = load_profile(hardware)
@@ -89,7 +89,7 @@ def ep_cost(blocks: list[MoEBlock], mesh: Mapping[str, int], ep_axis: str = "ep"
     link = axis_links(hw, dict(mesh)).get(ep_axis)
     sent = payload = payload_max = counts = a2a_s = expert_s = pbytes = 0.0
     for b in blocks:
-        item = _itemsize(b.dtype)
+        item = dtype_itemsize(b.dtype)
         row = b.hidden * item
         m = kept_rows(tokens_per_rank, b.top_k, capacity_factor)
         m_max = m * imbalance if ep > 1 else m
@@ -116,7 +116,7 @@ def _dtype_key(dtype: str) -> str:
 
 
 def _expert_param_bytes(b: MoEBlock) -> float:
-    return b.flops_per_row / 2 * b.n_experts * _itemsize(b.dtype)
+    return b.flops_per_row / 2 * b.n_experts * dtype_itemsize(b.dtype)
 
 
 def rank_ep_degrees(blocks: list[MoEBlock], world: int, hardware="cpu-gloo", *, global_tokens: float,
@@ -206,7 +206,7 @@ def plan_experts(global_gm: fx.GraphModule, mesh, *, ep_axis: str = "ep", dp_axi
 
 def _tokens_and_dense_bytes(gm: fx.GraphModule, blocks: list[MoEBlock]) -> tuple[int | None, int]:
     """Tokens of the first block at the captured batch, and bytes of the non-expert parameters."""
-    g = _Graph(gm)
+    g = MoEGraph(gm)
     by_key = {k: n for n, k in g.keys.items()}
     val = by_key[blocks[0].tokens].meta.get("val")
     tokens = _hint(val.shape[0]) if isinstance(val, torch.Tensor) else None
@@ -227,59 +227,3 @@ def search_ep(global_gm: fx.GraphModule, world: int, hardware="h100-sxm", *, oth
     return rank_ep_degrees(blocks, world, hardware, global_tokens=tokens or 0, imbalance=imbalance,
                            capacity_factor=capacity_factor, non_expert_param_bytes=dense,
                            memory_budget_bytes=memory_budget_bytes, other_axes=other_axes)
-
-
-# --- the older glue (autopar.parallelize takes "ep" now) ------------------------------------
-def parallelize_experts(model, mesh, *, example_inputs, zero_stage: int = 0, capacity_factor: float | None = None,
-                        hardware: str | None = None, sync_init: bool = True, dump_dir: str | None = None,
-                        bucket_mb: float = 25.0):
-    """`autopar.parallelize` for a mesh with an ep axis (and dp, tp): capture, the tp search,
-    `plan_experts`, passes split_batch -> shard -> expert -> zero, and an `ExpertProgram`.
-    Returns an `autopar.api.ParallelModel` (so `autopar.optimizer` works on it).
-
-    Glue from before `autopar.parallelize` took an ep axis; the public path is
-    `autopar.parallelize(model, autopar.mesh(ep=...))`. Kept for tests/dist/test_expert_parallel.py
-    and benchmarks/bench_expert.py."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from autopar import api  # noqa: PLC0415
-    from autopar.capture import capture  # noqa: PLC0415
-    from autopar.passes.expert import expert  # noqa: PLC0415
-    from autopar.passes.pass_manager import PassContext, PassManager  # noqa: PLC0415
-    from autopar.passes.plan import Plan  # noqa: PLC0415
-    from autopar.passes.shard import shard  # noqa: PLC0415
-    from autopar.passes.split_batch import split_batch  # noqa: PLC0415
-    from autopar.passes.zero import zero  # noqa: PLC0415
-    from autopar.runtime.moe import ExpertProgram  # noqa: PLC0415
-
-    sizes = dict(mesh.sizes)
-    if sizes.get("pp", 1) > 1:
-        raise ValueError("expert parallelism with pipeline parallelism is not wired yet; use a mesh without pp")
-    plan = Plan(mesh=sizes, dp_axis="dp" if "dp" in sizes else None, zero_stage=zero_stage, bucket_mb=bucket_mb)
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    split = sizes.get("dp", 1) * sizes.get("ep", 1)
-    for t in args:
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % split:
-            raise ValueError(f"the example batch has {t.shape[0]} rows, which does not divide by dp x ep = {split}")
-    global_gm = capture(model, args)
-    if api._batch_is_static(global_gm) and split > 1:
-        raise ValueError("the capture specialised the batch dim; expert parallelism needs a dynamic batch capture")
-    hw = hardware or api._hardware(mesh)
-    api._search_sharding(plan, global_gm, mesh, hw)
-    plan.extra["expert"] = plan_experts(global_gm, mesh, capacity_factor=capacity_factor, hardware=hw,
-                                        dp_axis=plan.dp_axis)
-    plan.notes += plan.extra["expert"].get("notes", [])
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    ctx = PassContext(plan=plan, mesh_sizes=sizes, coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, expert, zero], dump_dir=dump_dir)
-    local_gm = pm.run(api._fresh(global_gm), ctx, tag=f"rank{rank}")
-    info = local_gm.meta.get("autopar_expert", {})
-    mp = {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and type(p).__name__ == "Shard")
-          for name, lay in plan.param_layouts.items()}
-    program = ExpertProgram(local_gm, mesh, ep_axis="ep", expert_params=info.get("expert_params", ()),
-                            engine_options={"model_parallel": mp},
-                            dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
-                            in_spec=global_gm.meta.get("autopar_in_spec"),
-                            out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init)
-    return api.ParallelModel(program, plan, local_gm, global_gm, list(pm.records),
-                             global_gm.meta.get("autopar_capture", {}))

@@ -33,7 +33,8 @@ Detection works on the graph's structure (ATen ops and data flow), never on clas
 The result for a block is plain JSON keyed by stable node keys (`passes.ir.node_keys`).
 
 API: `detect_moe(gm) -> [MoEBlock]`, `router_stats(gm, blocks) -> [node key]`; both are
-re-exported by `autopar.search.expert`.
+re-exported by `autopar.search.expert`. `MoEGraph` (the indexed graph the detector walks) and
+`dtype_itemsize` serve `search/expert.py` too.
 
 Guarantees: a dense model gives no blocks; a router that leads to a dispatch this module
 cannot take apart (an expert op that mixes rows, an unknown index pattern) raises
@@ -163,12 +164,16 @@ class MoEBlock:
         return asdict(self)
 
 
-def _itemsize(dtype: str) -> int:
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as in `passes.ir` ("float32", "bfloat16" ...)."""
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 # --- detection -----------------------------------------------------------------------------
-class _Graph:
+class MoEGraph:
+    """A graph as the detector walks it: node order, stable node keys, which nodes depend on
+    the inputs through tensors, the batch size of the first input."""
+
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
         self.nodes = list(gm.graph.nodes)
@@ -228,7 +233,7 @@ class _Graph:
         return any(isinstance(d0, int) and isinstance(t, int) and t and d0 % t == 0 for t in n_tokens)
 
 
-def _router(g: _Graph, t: fx.Node):
+def _router(g: MoEGraph, t: fx.Node):
     """(gate linear node, token rows node, E) if topk node `t` selects experts, else None."""
     inp = t.args[0]
     shape = _shape(inp)
@@ -267,7 +272,7 @@ def _index_of(n: fx.Node):
     return None
 
 
-def _params_feeding(g: _Graph, region: set) -> dict[str, fx.Node]:
+def _params_feeding(g: MoEGraph, region: set) -> dict[str, fx.Node]:
     """Parameters read by `region` directly or through parameter-only nodes."""
     out = {}
     for n in region:
@@ -313,7 +318,7 @@ def _identity_fills(region: set, idx: fx.Node, E: int) -> dict[fx.Node, fx.Node]
     return out
 
 
-def _check_row_wise(g: _Graph, region: set, starts: set, what: str, identity: set = frozenset()) -> None:
+def _check_row_wise(g: MoEGraph, region: set, starts: set, what: str, identity: set = frozenset()) -> None:
     rows = region | starts
     for n in region:
         b = _base(n)
@@ -349,7 +354,7 @@ def _flops_per_row(params: dict[str, fx.Node], per_expert: int) -> float:
     return 2.0 * numel / per_expert
 
 
-def _block_module(g: _Graph, a: fx.Node, b: fx.Node) -> str:
+def _block_module(g: MoEGraph, a: fx.Node, b: fx.Node) -> str:
     pa, pb = ir.info(a).module.split("."), ir.info(b).module.split(".")
     common = []
     for x, y in zip(pa, pb):
@@ -359,7 +364,7 @@ def _block_module(g: _Graph, a: fx.Node, b: fx.Node) -> str:
     return ".".join(common)
 
 
-def _detect_one(g: _Graph, t: fx.Node) -> MoEBlock | None:
+def _detect_one(g: MoEGraph, t: fx.Node) -> MoEBlock | None:
     r = _router(g, t)
     if r is None:
         return None
@@ -488,7 +493,7 @@ def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
             x = data
         elif _same(rows, _sym(N) * K):
             out.append({"node": g.keys[d], "source": g.keys[data], "per": "assignment"})
-            side += math.prod(int(s) for s in _shape(data)[1:]) * _itemsize(ir.info(data).dtype or "float32")
+            side += math.prod(int(s) for s in _shape(data)[1:]) * dtype_itemsize(ir.info(data).dtype or "float32")
         else:
             raise MoEDetectError(f"{where}: {g.keys[d]} gathers rows of {g.keys[data]} ({rows} rows), neither "
                                  f"tokens ({N}) nor assignments")
@@ -529,7 +534,7 @@ def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
     """Every MoE block of a captured graph, in graph order (empty for a dense model).
     Raises MoEDetectError naming the node when a router leads to a dispatch this module
     cannot take apart (an expert op that mixes rows, an unknown index pattern)."""
-    g = _Graph(gm)
+    g = MoEGraph(gm)
     out = []
     for n in g.nodes:
         if n.op == "call_function" and _base(n) == "aten.topk":
@@ -542,7 +547,7 @@ def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
 def router_stats(gm: fx.GraphModule, blocks: list[MoEBlock] | None = None) -> list[str]:
     """Keys of floating reductions over the token dim of values computed from router outputs
     alone (load-balancing statistics), excluding the dispatch bookkeeping of `blocks`."""
-    g = _Graph(gm)
+    g = MoEGraph(gm)
     blocks = detect_moe(gm) if blocks is None else blocks
     by_key = {k: n for n, k in g.keys.items()}
     seeds, n_tok = [], []

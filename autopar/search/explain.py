@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autopar.search.candidate import plain
+
 DIMENSIONS = ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches", "schedule")
 MEMORY_ORDER = ("params", "grads", "master", "optimizer", "buffers", "activations", "workspace", "comm_buffers",
                 "optimizer_step_temp", "peak", "limit")
@@ -42,7 +44,7 @@ def seconds(s: float) -> str:
 class PlanReport:
     """What the joint planner chose, what it predicted, and why (see the module docstring).
 
-    chosen / alternatives: `plan_cost.Evaluation.to_dict()` of the chosen candidate and of the
+    chosen / alternatives: `candidate.Evaluation.to_dict()` of the chosen candidate and of the
     top-k (best first, the chosen one included). dimensions: dimension -> one row per value
     considered: {"value", "status" ("chosen" | "slower" | "bound" | "no fit"), "step_s",
     "peak_bytes", "label", "reason"}. search: candidate counts, pruning and timings.
@@ -58,8 +60,6 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        from autopar.search.plan_cost import plain  # noqa: PLC0415
-
         return plain(asdict(self))
 
     @staticmethod

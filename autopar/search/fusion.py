@@ -25,15 +25,18 @@ device) nothing is fused: there the fused op would run its torch reference, the 
     plan.notes += fusion_notes(rows)         # the decision and its predicted saving
     plan.extra["fusion"] = [r.to_dict() for r in rows]
 
+`search_fusions(plan, gm, hardware, batch_split)` does the above into a Plan, as
+`autopar.parallelize` does when the fusions are not pinned.
+
 Importing this module also gives `autopar.cost` a cost rule and a saved-tensor rule for each
-fused call (`register_fused_cost_rules`), so that a fused graph is costed without fallbacks.
+fused call (`cost.fused.register_fused_cost_rules`), so that a fused graph is costed without
+fallbacks.
 
 Reads node.meta["val"] and node.meta["autopar"] (through the fusion table and the cost
 model); writes nothing. Deterministic: rows are sorted by graph order.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
@@ -41,20 +44,17 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from autopar.cost import OpCost, analyze, load_profile, register_op, register_saved
-from autopar.cost.estimate import NodeTimer  # the step estimate's per-node time: one formula for both sides
+from autopar.cost import analyze, load_profile
+from autopar.cost.fused import SUPPORTED_DTYPES, default_chunk_rows  # importing it registers the fused calls' rules
 from autopar.cost.graph import GraphCost, NodeCost
 from autopar.cost.hardware import Hardware
-from autopar.cost.ops import op_name
-from autopar.cost.saved import New
+from autopar.cost.node_time import NodeTimer  # the step estimate's per-node time: one formula for both sides
 from autopar.cost.symbolic import evaluate
-from autopar.cost.tensors import Call, dtype_name
+from autopar.cost.tensors import dtype_name
+from autopar.passes.plan import Plan
 from autopar.passes.rules.fusion_match import Emit, Match, value_of
 from autopar.passes.rules.fusion_table import RULE_NAMES, find_matches
 from autopar.passes.rules.sharding import requires_grad_nodes
-from autopar.runtime.kernels import KERNELS
-from autopar.runtime.kernels._dispatch import SUPPORTED_DTYPES
-from autopar.runtime.kernels.cross_entropy import default_chunk_rows
 
 
 @dataclass(frozen=True)
@@ -351,57 +351,9 @@ class _Coster:
         return _Traffic(fwd, bwd, 2 * n + 2, 4 * n + 2, mm, mm_bwd, saved=b(x) + stats + b(target))
 
 
-# ---------------------------------------------------------------------------- cost rules
-
-
-def register_fused_cost_rules() -> None:
-    """Cost (one op: its inputs read, outputs written; linear_cross_entropy's GEMMs as matmul
-    FLOPs, its backward recomputing the logits) and saved-tensor rules (what each kernel's
-    autograd Function saves) for the fused calls, under their `op_name`s."""
-    for kernel, k in KERNELS.items():
-        name = op_name(k.fused)
-        register_op(name)(functools.partial(_fused_cost, kernel))
-        register_saved(name)(functools.partial(_fused_saved, kernel))
-
-
-def _first_float(c: Call) -> str:
-    return next((dtype_name(t.dtype) for t in c.ins if t.is_float), "fp32")
-
-
-def _rows(t) -> Any:
-    return t.numel / t.shape[-1] if t is not None and t.dim else 1
-
-
-def _fused_cost(kernel: str, c: Call) -> OpCost:
-    if kernel == "linear_cross_entropy":
-        x, w = c.t(0), c.t(1)
-        mm = 2 * _rows(x) * x.shape[-1] * w.shape[0]
-        grads = sum(1 for t in (x, w) if t.rg)
-        return OpCost(flops=mm, bwd_flops=mm * (1 + grads) if grads else 0, other_flops=5 * _rows(x) * w.shape[0],
-                      bytes_read=c.in_bytes(), bytes_written=c.out_bytes(), kind="matmul", dtype=_first_float(c))
-    return OpCost(other_flops=8 * max(c.out_numel(), c.ins[0].numel if c.ins else 0), bytes_read=c.in_bytes(),
-                  bytes_written=c.out_bytes(), kind="vector", dtype=_first_float(c))
-
-
-def _fused_saved(kernel: str, c: Call, kernels) -> list:
-    x = c.t(0)
-    if kernel in ("rms_norm", "layer_norm"):
-        per = 4 if kernel == "rms_norm" else 8
-        return [x, c.t(1), c.t(2) if kernel == "layer_norm" else None, New("stats", _rows(x) * per)]
-    if kernel in ("add_rms_norm", "add_layer_norm"):
-        per = 4 if kernel == "add_rms_norm" else 8
-        return [c.outs[0], *c.ins[2:], New("stats", _rows(x) * per)]
-    if kernel in ("swiglu", "geglu", "bias_gelu"):
-        return list(c.ins)
-    if kernel == "rope":
-        return list(c.ins[1:])
-    if kernel == "softmax":
-        return [c.outs[0]]
-    if kernel == "cross_entropy":
-        return [x, c.t(1), New("stats", _rows(x) * 8)]
-    if kernel == "linear_cross_entropy":
-        return [*c.ins, New("stats", _rows(x) * 8)]
-    raise AssertionError(f"no saved-tensor rule for kernel {kernel!r}")
-
-
-register_fused_cost_rules()
+def search_fusions(plan: Plan, gm: fx.GraphModule, hardware: Hardware | str, batch_split: int) -> None:
+    """plan.fusions from the cost model, with their notes and `plan.extra["fusion"]` rows
+    (deterministic: every rank gets the same)."""
+    plan.fusions, rows = plan_fusions(gm, hardware, batch_split=batch_split)
+    plan.notes += fusion_notes(rows)
+    plan.extra["fusion"] = [r.to_dict() for r in rows]

@@ -1,7 +1,8 @@
 """The joint planner's cost model: one candidate plan -> predicted step time and memory per rank.
 
-A `Candidate` fixes the mesh (tp x pp x dp, x ep for MoE), the ZeRO stage, the number of
-micro-batches and, with pp > 1, the pipeline schedule. `PlanCostModel.evaluate` predicts its
+A `Candidate` (`search.candidate`) fixes the mesh (tp x pp x dp, x ep for MoE), the ZeRO stage,
+the number of micro-batches and, with pp > 1, the pipeline schedule. `PlanCostModel.evaluate`
+predicts its
 step time and the memory of every rank. The model is composed from `autopar.cost`'s parts,
 each ingredient costed once and cached, so that a search over thousands of candidates on a
 70B graph costs seconds. The ingredients are the per-graph tables of `search.plan_tables`
@@ -20,7 +21,7 @@ For a candidate:
            stage's memory is the rank's (exact); with v per rank each stage gets 1/v of the
            device in the DP (sufficient), the recompute is then chosen per rank against the sum
            of its stages' in-flight activations, and the schedule walk below has the last word.
-  time     pp = 1: m (F + B). pp > 1: the schedule's simulator (`runtime.schedules.simulate`)
+  time     pp = 1: m (F + B). pp > 1: the schedule's simulator (`cost.schedule.simulate`)
            with per-stage F, B and point-to-point times. Then per rank: gradient
            synchronisation over dp per unit in backward order, overlapped with the last
            micro-batch's backward (ZeRO 0/1 all-reduce, 2 reduce-scatter, padded as the
@@ -51,132 +52,24 @@ pp = 1 predictions against `cost.estimate` for dp, ZeRO and tp plans.
 
 node.meta: read only by the tables (`search.plan_tables`: the placeholders' `val`, the rest
 through `cost.analyze`, `passes.ir` and the sharding rules); nothing here reads or writes it.
-Deterministic: equal inputs give equal numbers. This module is the public entry: `Candidate`,
-`Evaluation`, `PlanCostModel`, `plain`, and (re-exported) `ShardInfo` and the schedule helpers
-`_held_peaks`, `_in_flight_floor`, `_small_schedule` import from here.
+Deterministic: equal inputs give equal numbers. Public: `PlanCostModel`; `Candidate`,
+`Evaluation` (from `search.candidate`) and `ShardInfo` (from `search.shard_tables`) import from
+here too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autopar.runtime.schedules import simulate
-from autopar.search.plan_split import INF, _Chain, _held_peaks, _in_flight_floor, _small_schedule
-from autopar.search.plan_tables import CATEGORIES, PlanTables, ShardInfo, _States, _Units
+from autopar.cost.schedule import held_peaks, simulate, small_schedule
+from autopar.search.candidate import Candidate, Evaluation
+from autopar.search.expert import ep_cost
+from autopar.search.plan_split import INF, SplitChain, in_flight_floor
+from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
+from autopar.search.shard_tables import ShardInfo
 
-__all__ = ["Candidate", "Evaluation", "PlanCostModel", "ShardInfo", "SCHEDULE_VIRTUAL", "plain"]
-
-SCHEDULE_VIRTUAL = {"1f1b": 1, "gpipe": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
-
-
-# ------------------------------------------------------------------------ candidates
-@dataclass(frozen=True, order=True)
-class Candidate:
-    """The discrete choices of a plan (the continuous ones — sharding of every node, split
-    points, recompute — are solved inside `PlanCostModel.evaluate`)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    zero: int = 0
-    micro: int = 1  # micro-batches per step
-    schedule: str = "none"  # pipeline schedule ("none" when pp == 1)
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.ep
-
-    @property
-    def virtual(self) -> int:
-        return SCHEDULE_VIRTUAL.get(self.schedule, 1) if self.pp > 1 else 1
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.virtual
-
-    def mesh(self) -> dict[str, int]:
-        """Mesh axes of size > 1 in autopar's canonical order (pp outermost, tp innermost, so
-        that tp groups stay inside a node); {"dp": 1} for one device."""
-        m = {a: s for a, s in (("pp", self.pp), ("dp", self.dp), ("ep", self.ep), ("tp", self.tp)) if s > 1}
-        return m or {"dp": 1}
-
-    def dims(self) -> dict[str, Any]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "zero_stage": self.zero,
-                "n_microbatches": self.micro, "schedule": self.schedule}
-
-    def label(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
-        if self.ep > 1:
-            parts.append(f"ep={self.ep}")
-        parts.append(f"ZeRO-{self.zero}")
-        parts.append(f"{self.micro} micro-batch{'es' if self.micro > 1 else ''}")
-        if self.pp > 1:
-            parts.append(self.schedule)
-        return " ".join(parts)
-
-
-@dataclass
-class Evaluation:
-    """What the cost model predicts for one candidate (seconds, bytes, per step)."""
-
-    candidate: Candidate
-    step_s: float
-    peak_bytes: float  # the fullest rank's peak
-    limit_bytes: float
-    memory: dict[str, float]  # the fullest rank by category
-    compute_s: float  # the busiest rank's forward + backward (+ recompute), all micro-batches
-    bubble: float  # pipeline idle fraction (0 without a pipeline)
-    recompute_s: float
-    optimizer_s: float
-    comm: dict[str, dict[str, float]]  # axis -> bytes_sent, time_s, exposed_s (per rank per step)
-    flops: float  # model FLOPs per step on one rank (no recompute)
-    mfu: float
-    tokens_per_s: float
-    rows_per_micro: int
-    split_points: list[str] = field(default_factory=list)
-    stage_units: list[list[str]] = field(default_factory=list)
-    recompute: dict[str, str] = field(default_factory=dict)  # unit (module path) -> "full"
-    rank_peaks: list[float] = field(default_factory=list)  # per pp rank
-    notes: list[str] = field(default_factory=list)
-    pruned: bool = False  # not simulated: its bound is over the cutoff it was given
-
-    @property
-    def feasible(self) -> bool:
-        return self.peak_bytes <= self.limit_bytes * (1 + 1e-9)
-
-    @property
-    def shortfall(self) -> float:
-        return max(0.0, self.peak_bytes - self.limit_bytes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (numpy numbers as Python ones)."""
-        d = {k: v for k, v in self.__dict__.items() if k != "candidate"}
-        d["candidate"] = self.candidate.dims()
-        d["label"] = self.candidate.label()
-        d["feasible"] = self.feasible
-        return plain(d)
-
-
-def plain(x: Any) -> Any:
-    """`x` with numpy scalars and arrays turned into Python numbers and lists, tuples into
-    lists: what json writes and reads back unchanged."""
-    if isinstance(x, Mapping):
-        return {str(k): plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [plain(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return [plain(v) for v in x.tolist()]
-    if isinstance(x, (bool, np.bool_)):
-        return bool(x)
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        return float(x)
-    return x
-
+__all__ = ["Candidate", "Evaluation", "PlanCostModel", "ShardInfo"]
 
 class PlanCostModel(PlanTables):
     """The cost model of plans for one captured graph on one kind of hardware (see the module
@@ -211,13 +104,13 @@ class PlanCostModel(PlanTables):
         act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1)
         return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, sum(st.total.values()) / t * (1 - 1e-3), act)
 
-    def _inputs_floor(self, c: Candidate, u: _Units) -> float:
+    def _inputs_floor(self, c: Candidate, u: UnitCosts) -> float:
         """Every stage but the first keeps its input (the activation crossing its first
         boundary) for each micro-batch in flight: at least the smallest boundary each."""
         S = c.n_stages
         return (S - 1) * float(u.cross.min()) if S > 1 and len(u.cross) else 0.0
 
-    def _act_floor(self, u: _Units, div: int, recompute: bool) -> float:
+    def _act_floor(self, u: UnitCosts, div: int, recompute: bool) -> float:
         """The least activation bytes one micro-batch keeps over all units: a recomputed block
         keeps its input only."""
         act = u.act / div
@@ -248,10 +141,10 @@ class PlanCostModel(PlanTables):
         average: a stage s holds k_s micro-batches' activations at once, so a rank whose stages
         have a_s of them holds at least max_s k_s a_s >= a_r h_r (h_r = 1 / sum 1/k_s over its
         stages); spread as evenly as any split can, the fullest rank holds A / sum_s 1/k_s, and
-        with weights 1/h_r the states add their share (`_in_flight_floor` gives k_s)."""
+        with weights 1/h_r the states add their share (`in_flight_floor` gives k_s)."""
         if c.pp == 1:
             return states + act
-        k_s, s2r = _in_flight_floor(c)
+        k_s, s2r = in_flight_floor(c)
         inv = [0.0] * c.pp
         for k, r in zip(k_s, s2r):
             inv[r] += 1.0 / max(k, 1.0)
@@ -260,7 +153,7 @@ class PlanCostModel(PlanTables):
         return max((states + act / c.virtual) / c.pp, (states / h_max + act) / H)
 
     def _time_bound(self, c: Candidate, f: np.ndarray, b: np.ndarray, opt_tot: float,
-                    st: _States | None = None, div: float = 1.0) -> float:
+                    st: UnitStates | None = None, div: float = 1.0) -> float:
         """A step time no split, recompute or overlap can beat (see `lower_bounds`). The
         data-parallel traffic a rank cannot avoid is in it too: one collective of the total
         payload is never slower than its buckets (alpha-beta, so ranks' shares sum to at least
@@ -306,8 +199,6 @@ class PlanCostModel(PlanTables):
         key = ("ep", c.mesh().items().__repr__(), rows)
         hit = self._split_cache.get(key)
         if hit is None:
-            from autopar.search.expert import ep_cost  # noqa: PLC0415
-
             other = sum(p.numel * p.dtype.itemsize for p in self.gc.params
                         if not p.is_buffer and p.requires_grad and p.name not in self.expert_params) / c.tp
             e = ep_cost(self.moe_blocks, c.mesh(), "ep", self.hw, tokens_per_rank=rows * self.tokens_per_row()[0],
@@ -357,7 +248,7 @@ class PlanCostModel(PlanTables):
         # 1F1B and GPipe, a floor otherwise); the schedule itself is built only for a split that
         # fits on a small version of it
         if c.pp > 1:
-            k_s, s2r = _in_flight_floor(c)
+            k_s, s2r = in_flight_floor(c)
             k_s = np.array(k_s)
         else:
             k_s, s2r = np.ones(1), [0]
@@ -380,7 +271,7 @@ class PlanCostModel(PlanTables):
         # rank; the recompute below is chosen per rank and the schedule walk has the last word);
         # with one stage per rank the check is exact
         stage_limit = [(limit - fixed) / v + fixed] * S
-        chain = _Chain(F_u, B_u, u.act, u.cross, hop, u.rc_save, u.rc_time, self.blocks, st, trans_u, fixed, rc_pin)
+        chain = SplitChain(F_u, B_u, u.act, u.cross, hop, u.rc_save, u.rc_time, self.blocks, st, trans_u, fixed, rc_pin)
         pin_idx = sorted(self.unit_names.index(p) for p in pins)
         if S == 1:
             starts = [0]
@@ -434,9 +325,9 @@ class PlanCostModel(PlanTables):
         # warm-up), which decides most plans that do not fit without building the step's
         # schedule; then the split's time bound; only then the step's schedule
         if c.pp > 1 and cutoff is not None and minimise == "time":
-            small = _small_schedule(c.schedule, c.pp, c.micro if c.schedule == "gpipe" else min(c.micro, 2 * c.pp),
+            small = small_schedule(c.schedule, c.pp, c.micro if c.schedule == "gpipe" else min(c.micro, 2 * c.pp),
                                     v)
-            held_small = _held_peaks(small, act_s)
+            held_small = held_peaks(small, act_s)
             worst = max(st_r[r] + held_small[r] + fixed for r in range(P))
             if worst > limit * (1 + 1e-9):
                 return Evaluation(step_s=INF, peak_bytes=worst, memory={"peak": worst, "limit": limit},
@@ -447,7 +338,7 @@ class PlanCostModel(PlanTables):
                                   notes=["bound over the cutoff (peak: a lower bound)"], pruned=True, **early)
         if c.pp > 1:
             sched = self.schedule(c)
-            held = _held_peaks(sched, act_s)
+            held = held_peaks(sched, act_s)
         rank_peaks, rank_cats = [], []
         for r in range(P):
             mine = stages_of[r]
@@ -520,7 +411,7 @@ class PlanCostModel(PlanTables):
                 pre_b += B_s[s]
         return lb
 
-    def _dp_sync(self, r, mine, starts, ends, B_s, B_u, end_r, st: _States, dp_link, z, c):
+    def _dp_sync(self, r, mine, starts, ends, B_s, B_u, end_r, st: UnitStates, dp_link, z, c):
         """(exposed, after the step, time, bytes sent) of rank r's data-parallel gradient sync:
         buckets as the runtime forms them (reverse order, the first at most FIRST_BUCKET_MB,
         then bucket_mb), each synchronised once its last gradient is ready, one after another;
@@ -581,8 +472,6 @@ class PlanCostModel(PlanTables):
         if c.ep > 1 and self.moe_blocks:
             a2a, _comp, grad = self._ep_terms(c, rows)
             share = float(sum(self.moe_units[starts[s]:ends[s]].sum() for s in mine) / max(self.moe_units.sum(), 1.0))
-            from autopar.search.expert import ep_cost  # noqa: PLC0415
-
             e = ep_cost(self.moe_blocks, c.mesh(), "ep", self.hw, tokens_per_rank=rows * self.tokens_per_row()[0])
             al = self.links(c)["ep"]
             comm["ep"] = {"bytes_sent": m * share * al.bytes_sent("all_to_all", e.a2a_payload_bytes),
@@ -598,7 +487,7 @@ class PlanCostModel(PlanTables):
             return {idx[k]: v == "full" for k, v in recompute.items()}
         return None
 
-    def _choose_recompute(self, blocks: list[tuple[int, float]], u: _Units, excess: float, rc_pin, recompute,
+    def _choose_recompute(self, blocks: list[tuple[int, float]], u: UnitCosts, excess: float, rc_pin, recompute,
                           minimise: str) -> list[int]:
         """Units to recompute among `blocks` ((unit, micro-batches its stage holds at once)):
         pinned ones, then (auto) as few as free `excess` bytes, most bytes per second first;
@@ -623,7 +512,7 @@ class PlanCostModel(PlanTables):
             excess -= k * u.rc_save[x]
         return sorted(chosen)
 
-    def _zero3_exposed(self, fwd: np.ndarray, bwd: np.ndarray, st: _States, links) -> tuple[np.ndarray, np.ndarray]:
+    def _zero3_exposed(self, fwd: np.ndarray, bwd: np.ndarray, st: UnitStates, links) -> tuple[np.ndarray, np.ndarray]:
         """ZeRO-3 communication not hidden behind compute, per unit and micro-batch: forward,
         unit x gathered while unit x-1 computes; backward, gathered again while x+1's backward
         runs, its gradients reduce-scattered on the same stream."""

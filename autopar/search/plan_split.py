@@ -1,6 +1,6 @@
 """How the joint planner's cost model (`search.plan_cost`) cuts a candidate's chain into stages.
 
-`_Chain` holds prefix sums over one candidate's chain of pipeline units (time, saved
+`SplitChain` holds prefix sums over one candidate's chain of pipeline units (time, saved
 activations and the stage input, the recompute savings and time of whole blocks, model states
 with a parameter read on two stages counted on both, gradient buffers, optimizer temporaries)
 and splits it into S = pp x v stages: an exact min-max DP over the unit boundaries (vectorised
@@ -13,39 +13,38 @@ is exact for a transformer's identical layers; `PlanCostModel.evaluate` then tak
 that free most memory per second of recomputation). With minimise="memory", the split whose
 fullest stage needs the least memory.
 
-What the split and the memory walk need to know of a schedule, without building the step's:
-`_in_flight_floor` (per stage the micro-batches whose activations it holds at once, and its
-rank: exact for 1F1B and GPipe, otherwise from the schedule with min(m, 2p) micro-batches,
-whose warm-up holds as many), `_held_peaks` (per rank the most activation bytes held along a
-schedule's actions) and `_small_schedule` (those small schedules, memoised).
+What the split needs to know of a schedule without building the step's: `in_flight_floor`
+(per stage the micro-batches whose activations it holds at once, and its rank: exact for 1F1B
+and GPipe, otherwise from the schedule with min(m, 2p) micro-batches, whose warm-up holds as
+many; the schedules and their memory walks are `cost.schedule`'s).
 
 node.meta: none (it works on the arrays of `search.plan_tables`). Guarantees: deterministic;
-`_Chain.split` gives the least bottleneck split whose stages fit their limits, or None when
-none fits; `_in_flight_floor` never exceeds what the schedule holds (tests/unit/test_planner.py
+`SplitChain.split` gives the least bottleneck split whose stages fit their limits, or None when
+none fits; `in_flight_floor` never exceeds what the schedule holds (tests/unit/test_planner.py
 checks it against the schedules).
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from autopar.runtime.schedules import Kind, make_schedule
-from autopar.search.plan_tables import CATEGORIES, _States
+from autopar.cost.schedule import in_flight_per_stage, small_schedule
+from autopar.search.candidate import Candidate
+from autopar.search.plan_tables import CATEGORIES, UnitStates
 
-if TYPE_CHECKING:
-    from autopar.search.plan_cost import Candidate
+__all__ = ["INF", "SplitChain", "in_flight_floor"]
 
 INF = math.inf
 
 
 # ------------------------------------------------------------------------ the split DP
-class _Chain:
+class SplitChain:
     """Prefix sums of one candidate's chain and the vectorised stage DP over it."""
 
-    def __init__(self, F, B, act, cross, hop, rc_save, rc_time, blocks, st: _States, trans, fixed, rc_pin):
+    def __init__(self, F, B, act, cross, hop, rc_save, rc_time, blocks, st: UnitStates, trans, fixed, rc_pin):
         L = len(F)
         self.L = L
         z = np.zeros(1)
@@ -192,29 +191,7 @@ class _Chain:
         return starts, float(opt)
 
 
-def _held_peaks(sched, act_s) -> list[float]:
-    """Per rank, the most activation bytes held along its actions (F adds its stage's, B or W
-    releases them)."""
-    out = []
-    for acts in sched.actions:
-        held = best = 0.0
-        for a in acts:
-            if a.kind is Kind.F:
-                held += act_s[a.stage]
-                if held > best:
-                    best = held
-            elif a.kind is Kind.B or a.kind is Kind.W:
-                held -= act_s[a.stage]
-        out.append(best)
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _small_schedule(name: str, p: int, m: int, v: int):
-    return make_schedule(name, p, m, v if v > 1 else None)
-
-
-def _in_flight_floor(c: Candidate) -> tuple[Sequence[float], Sequence[int]]:
+def in_flight_floor(c: Candidate) -> tuple[Sequence[float], Sequence[int]]:
     """Per stage, how many micro-batches' activations it holds at once (at least: equal in every
     case checked), and its rank, without building the step's schedule: 1F1B runs min(p - s, m)
     forwards on stage s before its first backward, GPipe all m (tests/unit/test_planner.py
@@ -232,7 +209,5 @@ def _in_flight_floor(c: Candidate) -> tuple[Sequence[float], Sequence[int]]:
 
 @functools.lru_cache(maxsize=256)
 def _small_in_flight(name: str, p: int, m: int, v: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    from autopar.search.stages import in_flight_per_stage  # noqa: PLC0415
-
-    sched = _small_schedule(name, p, m, v)
+    sched = small_schedule(name, p, m, v)
     return tuple(float(k) for k in in_flight_per_stage(sched)), tuple(sched.stage_to_rank)

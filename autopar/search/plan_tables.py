@@ -8,9 +8,9 @@ search over thousands of candidates on a 70B graph costs seconds:
                    layers.0 ... norm, lm_head), every node's unit (a node outside every unit is
                    costed with the first unit that reads it, as split_pipeline copies it there),
                    the parameters each unit reads, the bytes crossing each unit boundary as
-                   c0 + c1 x rows, and the MoE blocks (`search.expert.detect_moe`).
-  per tp degree t  the sharding ILP (`search.shard_ilp.solve_sharding`, identical layers solved
-                   once) on the captured graph: every node's compute divisor and every
+                   c0 + c1 x rows, and the MoE blocks (`search.expert_detect.detect_moe`).
+  per tp degree t  the sharding ILP (`search.shard_tables.shard_info`: `shard_ilp.solve_sharding`,
+                   identical layers solved once) on the captured graph: every node's compute divisor and every
                    storage's memory divisor (`Plan.node_layouts`, applied as `cost.estimate`
                    applies them), the parameters' layouts, and the conversions the shard pass
                    will insert (one per producer, placement and partial gradient).
@@ -26,16 +26,16 @@ search over thousands of candidates on a 70B graph costs seconds:
                    every node's work divided by t, without the ILP (for the bounds).
   per (t, z, d, e) model states per unit (`cost.model_states` with the TP layouts: params,
                    grads, fp32 master, optimizer, buffers; one parameter of each kind) under
-                   ZeRO stage z over d ranks; expert parameters (`search.expert.detect_moe`)
+                   ZeRO stage z over d ranks; expert parameters (`search.expert_detect.detect_moe`)
                    divided over e expert-parallel ranks. A parameter read by several units is
-                   kept apart (`_States.shared`), to be counted on every stage that reads it.
+                   kept apart (`UnitStates.shared`), to be counted on every stage that reads it.
   per mesh         the axes' links (`cost.comm.axis_links`, times and bytes memoised per
                    payload); per (schedule, pp, micro-batches) the step's schedule
-                   (`runtime.schedules.make_schedule`).
+                   (`cost.schedule.make_schedule`).
 
 node.meta: reads `val` of the placeholders (the captured rows of a batch, the tokens in a row)
 and otherwise reads node.meta only through `cost.analyze`, `passes.ir` and the sharding rules
-(`passes.split_pipeline`, `search.shard_ilp`, `search.expert`); writes nothing.
+(`passes.split_pipeline`, `search.shard_tables`, `search.expert_detect`); writes nothing.
 Guarantees: deterministic (equal inputs give equal tables); a cached table is what computing
 it again would give (each depends only on its key and the constructor's arguments); the
 working set is never an underestimate.
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import sympy
@@ -54,21 +54,21 @@ import torch.fx as fx
 
 from autopar.cost import analyze, evaluate, liveness, load_profile, model_states
 from autopar.cost.comm import axis_links
-from autopar.cost.estimate import _divisors, NodeTimer
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
 from autopar.cost.memory import OptimizerSpec, padded_numel, rows_of, tp_local_shape
-from autopar.passes.plan import Plan
-from autopar.passes.rules.sharding import is_tensor, partial_grad, requires_grad_nodes, value_shape
+from autopar.cost.node_time import NodeTimer
+from autopar.cost.placements import Layout, Placement, conversion_bytes, conversion_time
+from autopar.cost.schedule import make_schedule
+from autopar.cost.zero_comm import bucket_caps
+from autopar.passes.rules.sharding import requires_grad_nodes
 from autopar.passes.split_pipeline import pipeline_units
-from autopar.runtime.placement import Layout, Partial, Placement, Replicate, Shard
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.zero_shard import FIRST_BUCKET_MB
+from autopar.search.candidate import Candidate
+from autopar.search.expert_detect import detect_moe
+from autopar.search.shard_tables import ShardInfo, shard_info
+from autopar.search.stages import cross_bytes
 
-if TYPE_CHECKING:
-    from autopar.search.plan_cost import Candidate
-
-__all__ = ["CATEGORIES", "PlanTables", "ShardInfo"]
+__all__ = ["CATEGORIES", "PlanTables", "ShardInfo", "UnitCosts", "UnitStates"]
 
 _BLOCK = re.compile(r"(^|\.)\d+$")  # a unit named after a numbered module: layers.3
 _EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -76,24 +76,7 @@ CATEGORIES = ("params", "grads", "master", "optimizer", "buffers")
 
 
 @dataclass
-class ShardInfo:
-    """The sharding ILP's answer for one tp degree, in the forms the cost model uses."""
-
-    tp: int
-    solution: Any  # ShardSolution, or None for tp = 1
-    param_placements: dict[str, Placement]
-    node_placements: dict[str, Placement]
-    strategies: dict[str, str]
-    comp_div: dict[int, int]
-    mem_div: dict[Any, int]
-    conversions: list[tuple[int, Placement | None, Placement, bool, float, float]]  # unit, src, dst, pg, c0, c1
-    sequence_parallel: bool = False
-    summary: str = ""
-    seconds: float = 0.0
-
-
-@dataclass
-class _Units:
+class UnitCosts:
     """Per-unit costs at one (tp, rows per micro-batch): arrays over the chain's units."""
 
     fwd: np.ndarray
@@ -111,7 +94,7 @@ class _Units:
 
 
 @dataclass
-class _States:
+class UnitStates:
     cat: dict[str, np.ndarray]  # per unit, its own parameters (read by that unit only)
     shared: list[tuple[dict[str, float], np.ndarray]]  # parameters read by several units: bytes, reader prefix
     grad_payload: np.ndarray  # per unit: gradient sync payload (all-reduce input / reduce-scatter input)
@@ -141,7 +124,7 @@ class PlanTables:
         half = {p.dtype for p in self.gc.params if p.requires_grad} & {torch.float16, torch.bfloat16}
         self.master_dtype = (torch.float32 if half else None) if master_dtype == "auto" else master_dtype
         self.param_pins = dict(param_pins or {})
-        self.bucket_bytes = (min(FIRST_BUCKET_MB, bucket_mb) * 2**20, bucket_mb * 2**20)
+        self.bucket_bytes = bucket_caps(bucket_mb)
         self.node_pins = dict(node_pins or {})
         self.symbolic_batch = any(str(k) == "b" for k in self.gc.values())
         self.captured_rows = self._captured_rows()
@@ -152,8 +135,8 @@ class PlanTables:
         dtypes = [n.cost.dtype for n in self.gc.nodes if n.cost.kind in ("matmul", "attention")]
         self.main_dtype = max(set(dtypes), key=dtypes.count) if dtypes else "fp32"
         self._shard: dict[int, ShardInfo] = {}
-        self._units: dict[tuple, _Units] = {}
-        self._states: dict[tuple, _States] = {}
+        self._units: dict[tuple, UnitCosts] = {}
+        self._states: dict[tuple, UnitStates] = {}
         self._links: dict[tuple, dict] = {}
         self._scheds: dict[tuple, Any] = {}
         self._split_cache: dict[tuple, Any] = {}
@@ -229,26 +212,22 @@ class PlanTables:
             readers.setdefault(p.name, [0])  # held even if no unit reads it
         self.readers = readers
         # boundary bytes as c0 + c1 * rows (the activations crossing are linear in the batch)
-        from autopar.search.stages import _cross_bytes  # noqa: PLC0415
-
         if self.symbolic_batch:
-            one = np.array(_cross_bytes(gm, gc, units, {"b": 1}, 1.0))
-            two = np.array(_cross_bytes(gm, gc, units, {"b": 2}, 1.0))
+            one = np.array(cross_bytes(gm, gc, units, {"b": 1}, 1.0))
+            two = np.array(cross_bytes(gm, gc, units, {"b": 2}, 1.0))
             self.cross_c1 = two - one
             self.cross_c0 = one - self.cross_c1
         else:
             rows = self.captured_rows or 1
             self.cross_c0 = np.zeros(max(L - 1, 0))
-            self.cross_c1 = np.array(_cross_bytes(gm, gc, units, {}, 1.0)) / rows
+            self.cross_c1 = np.array(cross_bytes(gm, gc, units, {}, 1.0)) / rows
         self.rg = requires_grad_nodes(gm)
 
     def _experts(self) -> None:
-        """MoE blocks (`search.expert.detect_moe` when that module is there): expert parameters,
+        """MoE blocks (`search.expert_detect.detect_moe`): expert parameters,
         the units holding blocks, and what an expert-parallel degree costs (`ep_cost`)."""
         self.moe_blocks: list = []
         try:
-            from autopar.search.expert import detect_moe  # noqa: PLC0415
-
             self.moe_blocks = detect_moe(self.gm)
         except Exception:  # noqa: BLE001 - no detector, or a block it cannot take apart: no expert parallelism
             self.moe_blocks = []
@@ -278,76 +257,12 @@ class PlanTables:
     def sharding(self, t: int) -> ShardInfo:
         """The sharding ILP's plan for tp = t (solved once per t; t = 1: everything replicated)."""
         hit = self._shard.get(t)
-        if hit is not None:
-            return hit
-        if t == 1:
-            info = ShardInfo(1, None, {}, {}, {}, {}, {}, [], summary="no tensor parallelism")
-        else:
-            from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
-
-            sol = solve_sharding(self.gm, "tp", t, mesh={"dp": max(self.world // t, 1), "tp": t},
-                                 hardware=self.hw, param_pins=self.param_pins or None,
-                                 node_pins=self.node_pins or None, gc=self.gc)
-            self.ilp_seconds += sol.seconds
-            nodes = {n: sol.keys[n] for n in sol.chosen}
-            params = {str(n.target): s.out for n, s in sol.chosen.items()
-                      if n.op == "get_attr" and s.out is not None and not isinstance(s.out, Replicate)}
-            node_pl = {nodes[n]: s.out for n, s in sol.chosen.items()
-                       if n.op == "call_function" and s.out is not None and not isinstance(s.out, Replicate)}
-            plan = Plan(mesh={"tp": t}, dp_axis=None,
-                        node_layouts={k: Layout.of({"tp": p}) for k, p in node_pl.items()})
-            comp_div, mem_div = _divisors(self.gc, plan)
-            convs, sp = self._conversions(sol, t)
-            info = ShardInfo(t, sol, params, node_pl, sol.strategies(), comp_div, mem_div, convs, sp,
-                             sol.summary(), sol.seconds)
-        self._shard[t] = info
-        return info
-
-    def _conversions(self, sol, t: int):
-        """The conversions the shard pass inserts for a solution, each once per (producer,
-        target placement, partial gradient), charged to the first consumer's unit, with its
-        payload as c0 + c1 * rows."""
-        b_names = [str(orig) for orig, new in self.gc.symbols.rename.items() if str(new) == "b"]
-        other = {str(orig): int(v) for orig, new in self.gc.symbols.rename.items()
-                 for k, v in self.gc.values().items() if k == new and str(new) != "b"}
-        from autopar.search.shard_ilp import _nbytes  # noqa: PLC0415
-
-        def nbytes(a, rows):
-            return _nbytes(a, {**other, **{s: rows for s in b_names}})
-
-        seen: set = set()
-        out = []
-        ag_rs = 0
-        ar = 0
-        for v, s in sol.chosen.items():
-            ins = [a for a in v.all_input_nodes if is_tensor(a)]
-            for a, p in zip(ins, s.ins):
-                if p is None or a not in sol.chosen:
-                    continue
-                pg = partial_grad(s, p, a, self.rg)
-                key = (a, str(p), pg)
-                if key in seen:
-                    continue
-                seen.add(key)
-                src = sol.chosen[a].out
-                if src == p and not (pg and isinstance(p, Replicate)):
-                    continue
-                if b_names:
-                    one, two = nbytes(a, 1), nbytes(a, 2)
-                    c1 = two - one
-                    c0 = one - c1
-                else:  # a static batch: a tensor whose dim 0 is the batch scales with it
-                    shape = value_shape(a) or ()
-                    rows0 = self.captured_rows or 1
-                    full = nbytes(a, 0)
-                    c0, c1 = (0.0, full / rows0) if shape and shape[0] == rows0 else (full, 0.0)
-                unit = self.fx_unit.get(v)
-                out.append((unit if unit is not None else 0, src, p, pg, float(c0), float(c1)))
-                if isinstance(p, Shard) and isinstance(src, Replicate) or isinstance(src, Partial) and isinstance(p, Shard):
-                    ag_rs += 1
-                if isinstance(src, Partial) and isinstance(p, Replicate):
-                    ar += 1
-        return out, ag_rs > 0 and ag_rs >= ar
+        if hit is None:
+            hit = self._shard[t] = shard_info(self.gm, self.gc, self.hw, self.world, t, param_pins=self.param_pins,
+                                              node_pins=self.node_pins, rg=self.rg, fx_unit=self.fx_unit,
+                                              captured_rows=self.captured_rows)
+            self.ilp_seconds += hit.seconds
+        return hit
 
     # ------------------------------------------------------------------ per-unit tables
     def rows_per_micro(self, c: Candidate) -> int | None:
@@ -356,7 +271,7 @@ class PlanTables:
             return None
         return self.global_batch // per
 
-    def units(self, t: int, rows: int) -> _Units:
+    def units(self, t: int, rows: int) -> UnitCosts:
         key = (t, rows)
         hit = self._units.get(key)
         if hit is not None:
@@ -399,8 +314,6 @@ class PlanTables:
         tpc = np.zeros(L)
         tp_bytes = np.zeros(L)
         if t > 1:
-            from autopar.search.shard_ilp import conversion_time  # noqa: PLC0415
-
             link = axis_links(self.hw, {"dp": max(self.world // t, 1), "tp": t})["tp"]
             memo: dict = {}
             for unit, src, dst, pg, c0, c1 in info.conversions:
@@ -410,12 +323,12 @@ class PlanTables:
                 if tm is None:
                     tm = memo[k2] = conversion_time(src, dst, pg, nb, link, t, self.hw.kernel_overhead_s)
                 tpc[unit] += tm
-                tp_bytes[unit] += _conversion_bytes(src, dst, pg, nb, t)
+                tp_bytes[unit] += conversion_bytes(src, dst, pg, nb, t)
         cross = self.cross_c0 + self.cross_c1 * rows
         cross_in = np.concatenate([[0.0], cross])
         rc_save = np.where(self.blocks > 0, np.maximum(act - cross_in, 0.0), 0.0)
         rc_time = np.where(self.blocks > 0, fwd + tpc / 2, 0.0)
-        out = _Units(fwd + tpc / 2, bwd + tpc / 2, tpc, act, cross, rc_save, rc_time, flops, tp_bytes, ef, eb)
+        out = UnitCosts(fwd + tpc / 2, bwd + tpc / 2, tpc, act, cross, rc_save, rc_time, flops, tp_bytes, ef, eb)
         self._units[key] = out
         return out
 
@@ -520,7 +433,7 @@ class PlanTables:
             hit = self._split_cache[key] = (reps, kinds, layouts)
         return hit
 
-    def states(self, t: int, zero: int, dp: int, ep: int = 1) -> _States:
+    def states(self, t: int, zero: int, dp: int, ep: int = 1) -> UnitStates:
         """Model states per unit (see the module docstring), `cost.model_states` for one
         parameter of every kind."""
         key = (t, zero, dp, ep)
@@ -577,7 +490,7 @@ class PlanTables:
                 # the gradient is synchronised by the last reader's stage; count it there
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
-        out = _States(cat, shared, grad_payload, gather, adam, total)
+        out = UnitStates(cat, shared, grad_payload, gather, adam, total)
         self._states[key] = out
         return out
 
@@ -614,27 +527,3 @@ class _MemoLink:
         if b is None:
             b = self._b[key] = self.al.bytes_sent(op, nbytes)
         return b
-
-
-def _conversion_bytes(src, dst, pg: bool, nbytes: float, k: int) -> float:
-    """Bytes one rank sends for a conversion (forward and backward), ring collectives."""
-    ar = 2 * (k - 1) / k * nbytes
-    ag = (k - 1) / k * nbytes
-    rs = (k - 1) / k * nbytes
-    if src == dst:
-        return ar if pg and isinstance(dst, Replicate) else 0.0
-    if isinstance(dst, Replicate):
-        if isinstance(src, Shard):
-            return ag + (rs if pg else 0.0)
-        if isinstance(src, Partial):
-            return ar + (ar if pg else 0.0)
-    if isinstance(dst, Shard):
-        if isinstance(src, Replicate):
-            return ag
-        if isinstance(src, Shard):
-            return 2 * (k - 1) / k * nbytes / k
-        if isinstance(src, Partial):
-            return rs + ag
-    if isinstance(dst, Partial) and isinstance(src, Shard):
-        return ag
-    return 0.0

@@ -31,7 +31,12 @@ hierarchical:
 
 Everything solved is cached: ILPs per tp degree, unit tables per (tp, rows per micro-batch),
 model states per (tp, ZeRO, dp); whole results by (graph fingerprint, mesh, hardware, pins,
-limits) in memory and, with `cache_dir` (or AUTOPAR_PLAN_CACHE=dir), on disk as JSON.
+limits) in memory and, with `cache_dir` (or AUTOPAR_PLAN_CACHE=dir), on disk as JSON
+(`search.plan_cache`).
+
+The parts live beside this file: the candidates and their enumeration (`search.candidate`),
+their cost model (`search.plan_cost` on `search.plan_tables`), the pins (`search.plan_pins`),
+the cache (`search.plan_cache`), the report (`search.explain`). This file runs the search.
 
 Pins (`pins=`): "tp", "pp", "dp", "ep", "mesh" ({axis: size}), "zero_stage",
 "n_microbatches", "schedule", "split_points" (unit names where stages start: all of them, or
@@ -49,31 +54,28 @@ Deterministic: equal inputs give equal plans (ties broken by the candidate's ord
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import importlib.util
-import json
 import math
 import os
 import time
-from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 import torch.fx as fx
 
 from autopar.cost import load_profile
+from autopar.cost.placements import Layout
 from autopar.passes.plan import Plan
-from autopar.runtime.placement import Layout, Placement, parse_placement
+from autopar.passes.split_pipeline import brief_names
+from autopar.search.candidate import Candidate, Evaluation, candidates, plain
 from autopar.search.explain import DIMENSIONS, PlanReport, dimension_rows, gib, seconds
-from autopar.search.plan_cost import Candidate, Evaluation, PlanCostModel, plain
+from autopar.search.plan_cache import PLANNER_VERSION, cache_key, disk_get, disk_put, graph_fingerprint
+from autopar.search.plan_cost import PlanCostModel
+from autopar.search.plan_pins import normalise_pins, world_size
 
 __all__ = ["plan_for", "PlanReport", "candidates", "graph_fingerprint", "RUNTIME_SUPPORT", "PLANNER_VERSION",
            "clear_cache"]
 
-PLANNER_VERSION = 1
-SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
-PIN_KEYS = ("tp", "pp", "dp", "ep", "mesh", "zero_stage", "n_microbatches", "schedule", "split_points", "recompute",
-            "param_layouts", "bucket_mb", "fusions")
 DEFAULT_HEADROOM = 0.9  # of the device's memory, as the stage search: workspace and fragmentation
 
 # What the runtime can carry out today; the planner plans only such plans unless `allow` says
@@ -126,13 +128,13 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
     """
     t0 = time.perf_counter()
     hw = load_profile(hardware)
-    pins = _normalise_pins(pins, world_size_or_mesh_sizes)
-    world = _world(world_size_or_mesh_sizes)
+    pins = normalise_pins(pins, world_size_or_mesh_sizes)
+    world = world_size(world_size_or_mesh_sizes)
     limit = float(memory_limit) if memory_limit is not None else DEFAULT_HEADROOM * float(hw.device.memory_bytes)
     support = {**RUNTIME_SUPPORT, **(allow or {})}
-    key = _cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, support)
+    key = cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, support)
     cache_dir = cache_dir or os.environ.get("AUTOPAR_PLAN_CACHE")
-    hit = _MEMO.get(key) or _disk_get(cache_dir, key)
+    hit = _MEMO.get(key) or disk_get(cache_dir, key)
     if hit is not None:
         plan = Plan.from_dict(hit[0])
         report = PlanReport.from_dict(hit[1])
@@ -143,7 +145,7 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
     report.search["seconds"] = time.perf_counter() - t0
     plan.extra["planner"] = _stored(report)
     _MEMO[key] = (plan.to_dict(), report.to_dict())
-    _disk_put(cache_dir, key, _MEMO[key])
+    disk_put(cache_dir, key, _MEMO[key])
     return plan, report
 
 
@@ -153,72 +155,6 @@ def _stored(report: PlanReport) -> dict[str, Any]:
     d = plain(report.to_dict())
     d["search"] = {k: v for k, v in d["search"].items() if k not in ("seconds", "ilp_seconds", "cached")}
     return d
-
-
-# ------------------------------------------------------------------------ candidates
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def candidates(model: PlanCostModel, world: int, pins: Mapping[str, Any], support: Mapping[str, bool]
-               ) -> list[Candidate]:
-    """Every candidate of the outer search that the pins, the mesh and the model allow."""
-    hw = model.hw
-    L = model.L
-    G = model.global_batch
-    eps = [1]
-    if model.has_moe and support.get("ep"):
-        eps += [e for e in _divisors(world) if e > 1 and model.n_experts % e == 0]
-    tied = _has_tied(model.gm)
-    out = []
-    for t in _divisors(world):
-        if t > hw.gpus_per_node and "tp" not in pins:
-            continue
-        for e in eps:
-            if world % (t * e):
-                continue
-            for p in _divisors(world // (t * e)):
-                if p > L or (e > 1 and p > 1 and not support.get("ep_with_pp")):
-                    continue
-                d = world // (t * e * p)
-                if G % (d * e):
-                    continue
-                rows = G // (d * e)
-                zeros = [0, 1, 2, 3] if d > 1 else [0]
-                for m in _divisors(rows):
-                    for sched in (["none"] if p == 1 else
-                                  ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
-                        c0 = Candidate(t, p, d, e, 0, m, sched)
-                        if c0.n_stages > L:
-                            continue
-                        if c0.virtual > 1 and m % p:
-                            continue
-                        if p > 1 and m < p and sched != "1f1b":
-                            continue  # fewer micro-batches than ranks: 1F1B is as good as any
-                        for z in zeros:
-                            if p > 1 and tied and z and not support.get("zero_with_tied_pp"):
-                                continue
-                            c = replace(c0, zero=z)
-                            if _matches(c, pins):
-                                out.append(c)
-    return out
-
-
-def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:
-    for k, v in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("ep", c.ep), ("zero_stage", c.zero),
-                 ("n_microbatches", c.micro)):
-        if k in pins and pins[k] != v:
-            return False
-    if "schedule" in pins and c.pp > 1 and pins["schedule"].lower().replace("-", "_") != c.schedule:
-        return False
-    sp = pins.get("split_points")
-    if sp and c.n_stages < len(sp) + 1:
-        return False
-    return True
-
-
-def _has_tied(gm: fx.GraphModule) -> bool:
-    return len(list(gm.named_parameters(remove_duplicate=False))) != len(list(gm.named_parameters()))
 
 
 # ------------------------------------------------------------------------ the search
@@ -234,8 +170,6 @@ class _Search:
         self.split_pins = list(pins.get("split_points") or [])
         bad = [p for p in self.split_pins if p not in self.model.unit_names]
         if bad:
-            from autopar.passes.split_pipeline import brief_names  # noqa: PLC0415
-
             raise ValueError(f"pinned split points {bad} are not pipeline units of this model; a stage can start at "
                              f"one of: {brief_names(self.model.unit_names[1:])}")
         self.recompute = pins.get("recompute", "auto")
@@ -606,150 +540,3 @@ class _Search:
 
 def _states(ev: Evaluation) -> float:
     return sum(ev.memory.get(k, 0.0) for k in ("params", "grads", "master", "optimizer", "buffers"))
-
-
-# ------------------------------------------------------------------------ pins
-def _world(w: int | Mapping[str, int]) -> int:
-    if isinstance(w, Mapping):
-        return math.prod(int(v) for v in w.values())
-    if not isinstance(w, int) or w < 1:
-        raise ValueError(f"world size must be a positive integer or a dict of mesh axis sizes, got {w!r}")
-    return w
-
-
-def _normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
-    out = dict(pins or {})
-    unknown = [k for k in out if k not in PIN_KEYS]
-    if unknown:
-        raise ValueError(f"unknown pins {unknown}; the planner accepts {list(PIN_KEYS)}")
-    mesh = dict(out.pop("mesh", None) or {})
-    if isinstance(w, Mapping):
-        mesh = {**dict(w), **mesh}
-    if mesh:
-        bad = [a for a in mesh if a not in ("tp", "pp", "dp", "ep")]
-        if bad:
-            raise ValueError(f"mesh axes {bad} cannot be planned; use tp, pp, dp, ep")
-        for a in ("tp", "pp", "dp", "ep"):
-            if a in mesh and a in out and out[a] != mesh[a]:
-                raise ValueError(f"pins say {a}={out[a]} but the mesh says {a}={mesh[a]}")
-            out.setdefault(a, int(mesh.get(a, 1)))
-    for a in ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches"):
-        if a in out and (not isinstance(out[a], int) or out[a] < (0 if a == "zero_stage" else 1)):
-            raise ValueError(f"pin {a}={out[a]!r} must be a positive integer" + (" (0-3)" if a == "zero_stage" else ""))
-    if "zero_stage" in out and out["zero_stage"] not in (0, 1, 2, 3):
-        raise ValueError(f"pin zero_stage={out['zero_stage']} must be 0, 1, 2 or 3")
-    if "schedule" in out:
-        from autopar.runtime.schedules import SCHEDULES  # noqa: PLC0415
-
-        s = str(out["schedule"]).lower().replace("-", "_")
-        if s not in SCHEDULES:
-            raise ValueError(f"pinned schedule {out['schedule']!r} is unknown; choose one of {sorted(SCHEDULES)}")
-        out["schedule"] = s
-    if "param_layouts" in out:
-        pp: dict[str, Placement] = {}
-        for name, lay in dict(out["param_layouts"]).items():
-            if isinstance(lay, Layout):
-                p = lay.get("tp")
-            elif isinstance(lay, Mapping):
-                p = parse_placement(lay.get("tp", "R"))
-            else:
-                p = parse_placement(str(lay)) if isinstance(lay, str) else lay
-            pp[name] = p
-        out["param_layouts"] = pp
-    rc = out.get("recompute")
-    if rc is not None and not isinstance(rc, Mapping) and rc not in ("none", "full", "auto"):
-        raise ValueError(f"pin recompute={rc!r} must be 'none', 'full', 'auto' or {{module path: 'full'|'none'}}")
-    return out
-
-
-# ------------------------------------------------------------------------ cache
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """A hash of what the planner reads: ops, shapes, dtypes, module paths, parameters."""
-    from autopar.passes import ir  # noqa: PLC0415
-
-    h = hashlib.sha256()
-    for n in gm.graph.nodes:
-        i = ir.get_info(n)
-        h.update(f"{n.op}|{n.target}|{i.shape if i else None}|{i.dtype if i else None}|"
-                 f"{i.module if i else ''}\n".encode())
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{p.requires_grad}\n".encode())
-    return h.hexdigest()[:24]
-
-
-def _cache_key(gm, world, hw, pins, limit, global_batch, top_k, optimizer, support) -> str:
-    def enc(x):
-        if isinstance(x, Mapping):
-            return {str(k): enc(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
-        if isinstance(x, (list, tuple)):
-            return [enc(v) for v in x]
-        if isinstance(x, (int, float, str, bool)) or x is None:
-            return x
-        return str(x)
-
-    blob = json.dumps({"v": PLANNER_VERSION, "graph": graph_fingerprint(gm), "world": world, "hw": hw.to_dict(),
-                       "pins": enc(pins), "limit": limit, "batch": global_batch, "k": top_k, "opt": str(optimizer),
-                       "support": enc(support)}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _disk_get(cache_dir: str | None, key: str):
-    if not cache_dir:
-        return None
-    path = os.path.join(cache_dir, f"plan-{key}.json")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-        return d["plan"], d["report"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def _disk_put(cache_dir: str | None, key: str, value) -> None:
-    if not cache_dir:
-        return
-    os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, f"plan-{key}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(plain({"plan": value[0], "report": value[1]}), f, indent=1)
-    os.replace(tmp, path)
-
-
-# ------------------------------------------------------------------------ glue for parallelize
-def parallelize_auto(model, world_size: int | None = None, *, example_inputs, hardware: Any = None,
-                     memory_limit: float | None = None, pins: Mapping[str, Any] | None = None,
-                     device_type: str | None = None, top_k: int = 5, **parallelize_kwargs):
-    """`autopar.parallelize` for a mesh given by its size only: capture, `plan_for`, build the
-    chosen mesh, carry the plan out (`parallelize(..., plan=plan)`). What
-    `parallelize(model, autopar.mesh(world_size=N))` does once api.py calls the planner (until
-    then tests and users call this; it captures twice, api.py will not).
-
-    Every rank plans (deterministically, so all agree: the same graph, sizes and profile give
-    the same plan) before any per-rank state is built; an infeasible request raises here.
-    Returns the ParallelModel; its plan carries the planner's predictions
-    (`plan.predicted`, source "planner"; `cost.estimate`'s in `plan.predicted["estimate"]`)
-    and report (`plan.extra["planner"]`, printed by `explain.render_plan`).
-    """
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from autopar import api  # noqa: PLC0415
-    from autopar.capture import capture  # noqa: PLC0415
-
-    if world_size is None:
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    rows = next((t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.dim()), None)
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    hw = hardware or ("cpu-gloo" if device_type == "cpu" else "h100-sxm")
-    global_gm = capture(model, args, leaf_modules=parallelize_kwargs.get("leaf_modules", ()))
-    plan, report = plan_for(global_gm, world_size, hw, pins=pins, memory_limit=memory_limit, global_batch=rows,
-                            top_k=top_k)
-    mesh = api.mesh(device_type=device_type, **plan.mesh)
-    predicted = dict(plan.predicted)
-    pm = api.parallelize(model, mesh, example_inputs=example_inputs, plan=plan,
-                         hardware=hw if isinstance(hw, str) else None, **parallelize_kwargs)
-    estimate_pred = {k: v for k, v in pm.plan.predicted.items() if k != "source"}
-    pm.plan.predicted = {**predicted, "estimate": estimate_pred}
-    return pm

@@ -1,24 +1,9 @@
 """Recompute search: which activations to keep and which to recompute, under a peak budget.
 
-The plan space (what `passes.recompute` can carry out): each *candidate* — a layer whose nodes
-can form one checkpointed region — is either left alone ("off") or checkpointed ("on") with a
-set S of its nodes whose outputs the selective policy keeps (collectives are always in S).
-The cost of a plan is the time of the forward ops it recomputes (`Timeline.recompute_s`).
-
-The chain model. Nodes are cut into *segments* in forward order: one per candidate (its
-first to last node) and runs of other nodes between them. Two exact walks of
-`cost.timeline` — every candidate off, every candidate on with S empty ("full") — give for
-each segment the bytes it holds at the end of the forward (`held`) and the most memory alive
-inside it beyond what earlier segments hold, in the forward and in recompute + backward
-(`work_forward`, `work_backward`). A plan's peak is then modelled as
-
-    peak = max over segments s of  sum_{s' < s} held(s') + work(s)
-
-with, for a candidate on with S: held = held_full + bytes(S), work_forward = work_forward_full +
-bytes(S), work_backward = work_backward_full; cost = cost_full - time(S). The model is exact
-for the two calibrating plans (every storage is counted where the walk counted it) and
-conservative for the forward with S; `autopar.recompute_plan` checks every answer with an
-exact walk and tightens the model's budget when the walk disagrees.
+The plan space and the chain model that prices a plan (segments, their held bytes and working
+sets, the peak and recompute time of a choice) are `search/recompute_chain.py`'s; its public
+names import from here too. `autopar.recompute_plan` checks every answer with an exact walk
+and tightens the model's budget when the walk disagrees.
 
 Two solvers on that model:
   * `solve_milp` — the exact MILP (HiGHS, through highspy, else scipy.optimize.milp): a binary
@@ -31,11 +16,6 @@ Two solvers on that model:
     checked: the plan is feasible. A greedy pass then spends what rounding left unused. The
     bound is the larger of two relaxations' optima (the DP with everything rounded down, and
     the MILP's LP relaxation); the reported gap is between plan and bound.
-Saveable nodes are those whose op is in `SAVEABLE_OPS` (each dispatches one non-view kernel,
-or a known composite whose non-view kernels make exactly its outputs and saved buffers, so
-the bytes the selective cache keeps are the node's own), that create a storage, and that
-recomputation runs (not after the region's last saving node, nor that node itself when it
-saves only its inputs: checkpoint stops recomputing at the last saved tensor).
 
 It reads `node.meta` only through `cost.analyze` and `passes.recompute`. Guarantees: both
 solvers return plans feasible in the model at the given budget (or status "infeasible"), with
@@ -45,77 +25,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass
 
 import numpy as np
-import torch.fx as fx
 
-from autopar.cost.graph import GraphCost, NodeCost
-from autopar.cost.ops import packet_name
-from autopar.cost.symbolic import evaluate
-from autopar.cost.timeline import Region, SegmentUse, Timeline, communicates, node_timer, stop_runs, timeline
-from autopar.passes.recompute import SELECTIVE_SAVE_OPS, in_module, mutated_args, region_nodes, region_problem
+# the chain model; its public names are importable from here, as callers import them
+from autopar.search.recompute_chain import (NO_ACTIVATION, NO_MODULE, SAVEABLE_OPS, ChainModel, Choices,  # noqa: F401
+                                            Item, Segment, build_chain, model_cost, model_peak, off_choices,
+                                            regions_of)
 
-# kernels whose outputs selective checkpointing can keep at the bytes the cost model knows
-SAVEABLE_OPS = SELECTIVE_SAVE_OPS | frozenset({
-    "aten.silu", "aten.gelu", "aten.relu", "aten.tanh", "aten.sigmoid", "aten.exp", "aten.mul", "aten.add",
-    "aten.sub", "aten.div", "aten.neg", "aten.cat", "aten.pow", "aten.rsqrt", "aten.sqrt", "aten.mean",
-    "aten.sum", "aten.softmax", "aten._softmax", "aten.log_softmax", "aten._log_softmax", "aten.embedding",
-    "aten.native_layer_norm", "aten.layer_norm", "aten._to_copy", "aten.to", "aten.where", "aten.masked_fill",
-})  # fmt: skip
-
-NO_MODULE = "nodes outside any module"
-NO_ACTIVATION = "saves no activation"
-
-
-@dataclass(frozen=True)
-class Item:
-    """A node whose output a checkpointed candidate may keep."""
-
-    index: int
-    key: str
-    nbytes: float
-    seconds: float  # forward time saved in recomputation when kept
-    flops: float
-
-
-@dataclass
-class Segment:
-    name: str  # the candidate's module path, or "<first node>..<last node>" for the rest
-    first: int
-    last: int
-    off: SegmentUse  # (for the rest: the larger of the two walks)
-    candidate: bool = False
-    full: SegmentUse | None = None
-    region: Region | None = None  # on with S empty (collectives kept)
-    items: list[Item] = field(default_factory=list)
-    full_s: float = 0.0  # recompute time when on with S empty
-    full_flops: float = 0.0
-
-
-@dataclass
-class ChainModel:
-    gc: GraphCost
-    values: Mapping
-    hardware: Any
-    segments: list[Segment]
-    segment_of: list[int]
-    none: Timeline  # exact walk, every candidate off
-    full: Timeline  # exact walk, every candidate on with S empty
-    skipped: dict[str, str]  # layer -> why it is not a candidate
-    seconds: float = 0.0
-
-    @property
-    def candidates(self) -> list[Segment]:
-        return [s for s in self.segments if s.candidate]
-
-    @property
-    def n_binaries(self) -> int:
-        return sum(1 + len(s.items) for s in self.candidates)
-
-
-Choices = dict[str, "frozenset[int] | None"]  # candidate -> kept node indices (None: off)
+__all__ = ["Solution", "solve", "solve_dp", "solve_milp", "fill", "NO_ACTIVATION", "NO_MODULE", "SAVEABLE_OPS",
+           "ChainModel", "Choices", "Item", "Segment", "build_chain", "model_cost", "model_peak", "regions_of"]
 
 
 @dataclass
@@ -132,183 +52,6 @@ class Solution:
     def gap(self) -> float:
         """(cost - bound) / cost; 0 when the cost is 0."""
         return 0.0 if self.cost_s <= 0 else max(0.0, (self.cost_s - self.bound_s) / self.cost_s)
-
-
-# ------------------------------------------------------------------------ the chain
-def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None, hardware: Any = None, *,
-                recompute_collectives: bool = False) -> ChainModel:
-    """Candidates, segments and the two calibrating walks for `gm` (analysed as `gc`)."""
-    t0 = time.perf_counter()
-    vals = gc.values() if values is None else values
-    nodes = gc.nodes
-    skipped: dict[str, str] = {}
-    cands: list[tuple[int, int, str, list[NodeCost]]] = []
-    for layer, members in gc.layers().items():
-        why = _not_candidate(gm, gc, layer, members)
-        if why:
-            skipped[layer] = why
-            continue
-        cands.append((members[0].index, members[-1].index, layer, members))
-    cands.sort()
-    kept: list[tuple[int, int, str, list[NodeCost]]] = []
-    for c in cands:
-        if kept and c[0] <= kept[-1][1]:
-            skipped[c[2]] = f"its nodes interleave with those of {kept[-1][2]!r}"
-            continue
-        kept.append(c)
-    segment_of: list[int] = []
-    spans: list[tuple[str, int, int, list[NodeCost] | None]] = []
-    ci = 0
-    i = 0
-    while i < len(nodes):
-        if ci < len(kept) and i == kept[ci][0]:
-            first, last, layer, members = kept[ci]
-            spans.append((layer, first, last, members))
-            segment_of.extend([len(spans) - 1] * (last - first + 1))
-            i, ci = last + 1, ci + 1
-            continue
-        end = kept[ci][0] - 1 if ci < len(kept) else len(nodes) - 1
-        spans.append((f"{nodes[i].name}..{nodes[end].name}", i, end, None))
-        segment_of.extend([len(spans) - 1] * (end - i + 1))
-        i = end + 1
-    written = _written_nodes(gm)
-    full_regions = []
-    for layer, first, last, members in spans:
-        if members is not None:
-            forced = frozenset() if recompute_collectives else frozenset(n.index for n in members if communicates(n))
-            full_regions.append(Region(layer, frozenset(n.index for n in members), forced))
-    none = timeline(gc, (), vals, hardware=hardware, segment_of=segment_of, keep_points=False)
-    full = timeline(gc, full_regions, vals, hardware=hardware, segment_of=segment_of, keep_points=False)
-    timer = node_timer(gc, hardware, vals)
-    segments: list[Segment] = []
-    by_name = {r.name: r for r in full_regions}
-    for s, (name, first, last, members) in enumerate(spans):
-        a, b = none.segments[s], full.segments[s]
-        if members is None:
-            use = SegmentUse(max(a.held, b.held), max(a.work_forward, b.work_forward),
-                             max(a.work_backward, b.work_backward))
-            segments.append(Segment(name, first, last, use))
-            continue
-        region = by_name[name]
-        stop = max(n.index for n in members if n.saved)
-        full_s = full_f = 0.0
-        items = []
-        for n in members:
-            if n.index > stop or n.index in region.save or (n.index == stop and not stop_runs(n)):
-                continue
-            fl = evaluate(n.cost.flops, vals)
-            sec = timer.node(n)[0] if n.kind not in ("view", "none") else 0.0
-            full_s += sec
-            full_f += fl
-            nb = _made_bytes(gc, n, vals)
-            if nb > 0 and sec > 0 and _saveable(n) and n.name not in written:
-                items.append(Item(n.index, n.key, nb, sec, fl))
-        segments.append(Segment(name, first, last, a, True, b, region, items, full_s, full_f))
-    return ChainModel(gc, vals, hardware, segments, segment_of, none, full, skipped, time.perf_counter() - t0)
-
-
-def _not_candidate(gm: fx.GraphModule, gc: GraphCost, layer: str, members: list[NodeCost]) -> str | None:
-    if layer == "(root)":
-        return NO_MODULE
-    if not any(k for n in members for k, _nb, _t in n.saved if not _is_state(gc, k)):
-        return NO_ACTIVATION
-    by_path = [n for n in gc.nodes if in_module(n.module, layer)]
-    if [n.index for n in by_path] != [n.index for n in members]:
-        return f"module path {layer!r} also covers nodes of other layers"
-    problem = region_problem(gm, layer)
-    if problem is not None:
-        return problem
-    names = {n.name for n in region_nodes(gm, layer) if n.target.__name__ != "getitem"}
-    if names != {n.name for n in members}:
-        return "the graph's nodes and the analysis's nodes of this module differ"
-    return None
-
-
-def _written_nodes(gm: fx.GraphModule) -> set[str]:
-    """Nodes whose value (or its storage) a later in-place op writes: selective checkpointing
-    must not cache them (it checks cached tensors are not modified)."""
-    written: set[str] = set()
-    views: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        for a in mutated_args(n):
-            base = a
-            while base in views:
-                base = views[base]
-            written.add(base.name)
-            written.add(a.name)
-        if n.op == "call_function" and getattr(n.target, "is_view", False) and n.args and \
-                isinstance(n.args[0], fx.Node):
-            views[n] = n.args[0]
-        elif n.op == "call_function" and n.target.__name__ == "getitem" and isinstance(n.args[0], fx.Node):
-            views[n] = n.args[0]
-    return written
-
-
-def _is_state(gc: GraphCost, key) -> bool:
-    st = gc.storages.get(key)
-    return st is not None and st.is_state
-
-
-def _saveable(n: NodeCost) -> bool:
-    p = packet_name(n.op)
-    if p not in SAVEABLE_OPS:
-        return False
-    if p == "aten.scaled_dot_product_attention":  # one fused kernel only when not math attention
-        return any(tag == "logsumexp" for _k, _nb, tag in n.saved)
-    return True
-
-
-def _made_bytes(gc: GraphCost, n: NodeCost, vals) -> float:
-    """Bytes of the storages node `n` creates (outputs and saved buffers): what the selective
-    cache keeps when `n` is kept."""
-    total = 0.0
-    for k in n.new_storages:
-        st = gc.storages.get(k)
-        if st is not None and st.producer == n.index and not st.is_state:
-            total += evaluate(st.nbytes, vals)
-    for k, nb, _t in n.saved:
-        if k not in gc.storages:
-            total += evaluate(nb, vals)
-    return total
-
-
-# ------------------------------------------------------------------------ evaluating choices
-def model_peak(chain: ChainModel, choices: Choices) -> float:
-    """The chain model's peak for `choices` (see the module docstring)."""
-    prefix = peak = 0.0
-    items = {s.name: {it.index: it for it in s.items} for s in chain.candidates}
-    for s in chain.segments:
-        kept = choices.get(s.name) if s.candidate else None
-        if kept is None:
-            peak = max(peak, prefix + s.off.work)
-            prefix += s.off.held
-            continue
-        m = sum(items[s.name][i].nbytes for i in kept)
-        peak = max(peak, prefix + s.full.work_forward + m, prefix + s.full.work_backward)
-        prefix += s.full.held + m
-    return peak
-
-
-def model_cost(chain: ChainModel, choices: Choices) -> float:
-    total = 0.0
-    for s in chain.candidates:
-        kept = choices.get(s.name)
-        if kept is not None:
-            total += s.full_s - sum(it.seconds for it in s.items if it.index in kept)
-    return total
-
-
-def regions_of(chain: ChainModel, choices: Choices) -> list[Region]:
-    out = []
-    for s in chain.candidates:
-        kept = choices.get(s.name)
-        if kept is not None:
-            out.append(Region(s.name, s.region.nodes, s.region.save | frozenset(kept)))
-    return out
-
-
-def _off(chain: ChainModel) -> Choices:
-    return {s.name: None for s in chain.candidates}
 
 
 # ------------------------------------------------------------------------ exact MILP
@@ -369,9 +112,9 @@ def solve_milp(chain: ChainModel, budget: float, *, time_limit_s: float = 10.0, 
     x, fun, bound, optimal = _highs(c, a, ub, integer=not relax, time_limit_s=time_limit_s)
     secs = time.perf_counter() - t0
     if x is None:
-        return Solution(_off(chain), math.inf, math.inf, "milp", "infeasible", secs, math.inf)
+        return Solution(off_choices(chain), math.inf, math.inf, "milp", "infeasible", secs, math.inf)
     if relax:
-        return Solution(_off(chain), math.inf, fun * tscale, "lp", "relaxed", secs, math.inf)
+        return Solution(off_choices(chain), math.inf, fun * tscale, "lp", "relaxed", secs, math.inf)
     x = np.round(x).astype(int)
     choices: Choices = {}
     for s in cands:
@@ -437,12 +180,12 @@ def solve_dp(chain: ChainModel, budget: float, *, resolution: int = 4096) -> Sol
     chain on a `resolution`-unit memory grid; the bound comes from the rounded-down DP."""
     t0 = time.perf_counter()
     if budget <= 0:
-        return Solution(_off(chain), math.inf, math.inf, "dp", "infeasible", 0.0, math.inf)
+        return Solution(off_choices(chain), math.inf, math.inf, "dp", "infeasible", 0.0, math.inf)
     unit = budget / resolution
     cost, choices = _dp(chain, unit, resolution, True, budget)
     lower, _ = _dp(chain, unit, resolution, False, budget)
     # the grid rounds up: the two plans every model is exact for are tried as they are
-    for anchor in (_off(chain), {s.name: frozenset() for s in chain.candidates}):
+    for anchor in (off_choices(chain), {s.name: frozenset() for s in chain.candidates}):
         if model_peak(chain, anchor) <= budget and (choices is None or model_cost(chain, anchor) <
                                                      model_cost(chain, choices)):
             choices = anchor
@@ -451,7 +194,7 @@ def solve_dp(chain: ChainModel, budget: float, *, resolution: int = 4096) -> Sol
     lower = max(lower, _lp_bound(chain, budget))
     secs = time.perf_counter() - t0
     if choices is None:
-        return Solution(_off(chain), math.inf, lower, "dp", "infeasible", secs, math.inf)
+        return Solution(off_choices(chain), math.inf, lower, "dp", "infeasible", secs, math.inf)
     cost_s = model_cost(chain, choices)
     return Solution(choices, cost_s, min(max(0.0, lower), cost_s), "dp",
                     "optimal" if cost_s - lower <= 1e-12 * max(1.0, cost_s) else "feasible", secs,

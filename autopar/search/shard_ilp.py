@@ -15,7 +15,7 @@ e[i, r] coupling the producer's output placement i with the consumer's requireme
 (row sums X_i, column sums Y_r: the marginal formulation, whose LP bound is tight — the
 weaker h >= X + Y - 1 took HiGHS 10 s on a two-layer Llama, this takes 0.4 s); a conversion
 is paid once per (producer, target) through h >= e over its consumers, as the rewrite
-shares the collective. `ShardSolution.recounted_comm_s` recounts the chosen plan's
+shares the collective (its time: `cost.placements.conversion_time`). `ShardSolution.recounted_comm_s` recounts the chosen plan's
 communication conversion by conversion, as a check on the formulation. Identical
 layers (same ops, shapes and strategies, found by module path `layers.N`) share their
 variables, so an 80-layer model is solved as one layer plus what surrounds it, and each
@@ -50,7 +50,7 @@ from autopar.cost.symbolic import evaluate
 from autopar.passes import ir
 from autopar.passes.rules.sharding import (Strategy, is_tensor, is_tuple, partial_grad, requires_grad_nodes,
                                            strategies_for, value_shape)
-from autopar.runtime.placement import Partial, Placement, R, Replicate, Shard
+from autopar.cost.placements import Placement, R, Replicate, Shard, conversion_time
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 INF = float("inf")
@@ -94,41 +94,6 @@ class ShardSolution:
                 f"{self.n_groups} variable groups ({self.repeated_layers} repeated layers solved once), "
                 f"{self.n_vars} variables, {self.n_constraints} constraints, {self.seconds:.2f} s; predicted "
                 f"{self.compute_s * 1e3:.3f} ms compute + {self.comm_s * 1e3:.3f} ms communication per step")
-
-
-def conversion_time(src: Placement | None, dst: Placement | None, partial_grad: bool, nbytes: float, link,
-                    k: int, launch_s: float = 0.0) -> float:
-    """Seconds of forward + backward communication to turn `src` into `dst` on one axis
-    (the rewrite's conversions, passes/shard.py). nbytes: the global tensor's bytes;
-    launch_s: fixed cost of issuing one collective (a kernel launch and its synchronisation),
-    which is what makes one all-reduce cheaper than an all-gather plus a reduce-scatter of
-    the same bytes at small sizes."""
-    if dst is None or src is None:
-        return 0.0
-    shard = nbytes / k
-    ar = link.time("all_reduce", nbytes) + launch_s
-    ag = link.time("all_gather", shard) + launch_s
-    rs = link.time("reduce_scatter", nbytes) + launch_s
-    if src == dst:
-        return ar if partial_grad and isinstance(dst, Replicate) else 0.0
-    if isinstance(dst, Replicate):
-        if isinstance(src, Shard):
-            return ag + (rs if partial_grad else 0.0)
-        if isinstance(src, Partial):
-            return ar + (ar if partial_grad else 0.0)
-    if isinstance(dst, Shard):
-        if isinstance(src, Replicate):
-            return ag  # split: free forward, all-gather of the gradient pieces backward
-        if isinstance(src, Shard):
-            return 2 * (link.time("all_to_all", shard) + launch_s)
-        if isinstance(src, Partial):
-            return rs + ag
-    if isinstance(dst, Partial):
-        if isinstance(src, Replicate):
-            return 0.0
-        if isinstance(src, Shard):
-            return ag
-    return INF
 
 
 def layer_of(module: str) -> str | None:
@@ -298,7 +263,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
         if not cons:
             continue
         gu = gid[u]
-        nbytes = _nbytes(u, sym_vals)
+        nbytes = node_nbytes(u, sym_vals)
         # a producer of a repeated layer whose consumers are the same groups as an earlier one's
         # adds the same conversion costs (the rows and variables exist already): reuse them
         rkey = (gu, frozenset((gid[v], inputs_of[v].index(u)) for v in cons), nbytes, u in rg)
@@ -435,7 +400,7 @@ def _recount_comm(nodes, chosen, inputs_of, rg, conv, sym_vals) -> float:
             if key in seen:
                 continue
             seen.add(key)
-            total += conv(chosen[a].out, p, pg, _nbytes(a, sym_vals))
+            total += conv(chosen[a].out, p, pg, node_nbytes(a, sym_vals))
     return total
 
 
@@ -559,7 +524,8 @@ class _Unhashable(Exception):
     pass
 
 
-def _nbytes(n: fx.Node, sym_vals) -> float:
+def node_nbytes(n: fx.Node, sym_vals) -> float:
+    """Bytes of a node's value with the size symbols at `sym_vals` (fp32 when its dtype is unknown)."""
     i = ir.get_info(n)
     item = 4
     if i is not None and i.dtype:
@@ -569,4 +535,5 @@ def _nbytes(n: fx.Node, sym_vals) -> float:
     return _numel(value_shape(n), sym_vals) * item
 
 
-__all__ = ["solve_sharding", "ShardSolution", "conversion_time", "requires_grad_nodes", "partial_grad", "layer_of"]
+__all__ = ["solve_sharding", "ShardSolution", "conversion_time", "requires_grad_nodes", "partial_grad", "layer_of",
+           "node_nbytes"]

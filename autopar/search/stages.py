@@ -22,7 +22,7 @@ k_s the most micro-batches whose activations stage s holds at once under the sch
 (with v > 1 each stage gets 1/v of the device: a sufficient condition for the rank's sum).
 A first DP over (stage, last unit) finds the optimal bottleneck T*; a second DP, among the
 splits whose stages all stay within T*, minimises the sum of T_s^2 (balance), both
-O(S L^2). The chosen split is then dry-run by `runtime.schedules.simulate` with the
+O(S L^2). The chosen split is then dry-run by `cost.schedule.simulate` with the
 per-stage times for the predicted step time and bubble, and its exact per-rank memory is
 taken from the schedule's timeline. Not modelled: workspace and transient peaks inside a
 layer, recompute (`memory_limit` defaults to 90 % of the device for that headroom).
@@ -48,10 +48,10 @@ from autopar.cost import GraphCost, analyze, estimate, evaluate, load_profile, m
 from autopar.cost.comm import axis_links, collective_time
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import Unit, brief_names, pipeline_units
-from autopar.runtime.schedules import Kind, Schedule, make_schedule, simulate
+from autopar.cost.schedule import Schedule, held_peaks, in_flight_per_stage, make_schedule, simulate
 
 __all__ = ["LayerCost", "Chain", "StageSearch", "layer_costs", "count_chain", "best_split", "in_flight_per_stage",
-           "search_stages", "n_virtual_for"]
+           "search_stages", "n_virtual_for", "cross_bytes"]
 
 
 # ------------------------------------------------------------------------ per-unit costs
@@ -152,7 +152,7 @@ def layer_costs(gm: fx.GraphModule, hardware: Any = "h100-sxm", *, gc: GraphCost
         cur = u
         reads[u] |= got
     states = _state_bytes(gc, optimizer, zero_stage, dp, master_dtype)
-    cross = _cross_bytes(gm, gc, units, sizes, scale)
+    cross = cross_bytes(gm, gc, units, sizes, scale)
     layers = [LayerCost(u.name, fwd[i], bwd[i], act[i], tuple(sorted(reads[i]))) for i, u in enumerate(units)]
     return Chain(layers, states, cross, sizes, time.perf_counter() - t0)
 
@@ -229,7 +229,7 @@ def _state_bytes(gc: GraphCost, optimizer, zero_stage: int, dp: int, master_dtyp
     return out
 
 
-def _cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dict, scale: float) -> list[float]:
+def cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dict, scale: float) -> list[float]:
     """Bytes of the tensors that cross each unit boundary (made before it, read after it)."""
     L = len(units)
     unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
@@ -276,21 +276,6 @@ def n_virtual_for(schedule: str, n_stages: int | None = None, n_ranks: int | Non
             return max(1, n_stages // n_ranks)
         return 2
     return 1
-
-
-def in_flight_per_stage(schedule: Schedule) -> list[int]:
-    """Per stage: the most micro-batches whose activations it holds at once (F done, its B or
-    W not yet), following each rank's action order."""
-    peak = [0] * schedule.n_stages
-    for acts in schedule.actions:
-        held: dict[int, int] = {}
-        for a in acts:
-            if a.kind is Kind.F:
-                held[a.stage] = held.get(a.stage, 0) + 1
-                peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind in (Kind.B, Kind.W):
-                held[a.stage] -= 1
-    return peak
 
 
 # ------------------------------------------------------------------------ the DP
@@ -564,15 +549,4 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
 
 def _rank_memory(sched: Schedule, states: list[float], act: list[float]) -> list[float]:
     """Per rank: its stages' states plus the largest sum of held activations along its actions."""
-    out = []
-    for r, acts in enumerate(sched.actions):
-        base = sum(states[s] for s in sched.stages_of(r))
-        held, best = 0.0, 0.0
-        for a in acts:
-            if a.kind is Kind.F:
-                held += act[a.stage]
-                best = max(best, held)
-            elif a.kind in (Kind.B, Kind.W):
-                held -= act[a.stage]
-        out.append(base + best)
-    return out
+    return [sum(states[s] for s in sched.stages_of(r)) + held for r, held in enumerate(held_peaks(sched, act))]

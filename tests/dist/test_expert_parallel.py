@@ -25,7 +25,7 @@ import autopar
 from autopar.models import get
 from autopar.runtime import moe
 from autopar.runtime.collectives import COUNTER, set_active_mesh
-from autopar.search.expert import parallelize_experts
+from autopar.expert_parallelize import parallelize_experts
 from harness import world
 
 LOSS_ATOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 1e-4

@@ -238,7 +238,8 @@ def test_in_flight_floors_and_small_schedules_never_exceed_the_real_schedule():
     import random
 
     from autopar.runtime.schedules import make_schedule
-    from autopar.search.plan_cost import _held_peaks, _in_flight_floor, _small_schedule
+    from autopar.cost.schedule import held_peaks as _held_peaks, small_schedule as _small_schedule
+    from autopar.search.plan_split import in_flight_floor as _in_flight_floor
     from autopar.search.stages import in_flight_per_stage
 
     rnd = random.Random(0)

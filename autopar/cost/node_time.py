@@ -1,0 +1,99 @@
+"""The one per-node time formula, and the tensor-parallel divisors it is applied with.
+
+`NodeTimer(hw, values).node(node_cost, div)` is (forward, backward) seconds of one node on one
+rank (roofline): max(matmul FLOPs / (peak[dtype] x eff.matmul) + other FLOPs / (vector peak x
+eff.vector), bytes / (memory bandwidth x eff.memory)) + kernel overhead; attention uses
+eff.attention and counts `causal_fraction` of the score matrix. Backward: the node's
+backward FLOPs, twice its other FLOPs, and bytes = output gradients + input gradients + saved
+tensors. The step estimate, the searches (sharding, fusion, planner) and the memory timeline
+all time nodes with it.
+
+`layout_divisors(gc, plan)`: the tensor-parallel plug-in. `Plan.node_layouts` maps a node key
+to its output layout; a node's compute is divided by the sizes of the axes where its output
+is Shard or Partial, its new storages by those where it is Shard (the dp axis is ignored:
+graph shapes are already per dp rank).
+
+Reads no node.meta (only `cost.analyze`'s NodeCosts). Deterministic; `NodeTimer` memoises per
+(cost, divisor), so one timer serves one set of symbol values.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.passes.plan import Plan
+
+from .graph import GraphCost, NodeCost
+from .hardware import Hardware
+from .placements import Partial, Shard
+from .symbolic import evaluate
+
+__all__ = ["NodeTimer", "layout_divisors"]
+
+
+class NodeTimer:
+    """(forward, backward) seconds of one node on one rank: the one per-node time formula the
+    estimate, the searches (sharding, fusion, planner) and the memory timeline share."""
+
+    def __init__(self, hw: Hardware, values):
+        self.hw, self.values = hw, values
+        self.cache: dict[Any, tuple[float, float]] = {}
+
+    def ev(self, x) -> float:
+        return evaluate(x, self.values)
+
+    def node(self, n: NodeCost, div: int = 1) -> tuple[float, float]:
+        """(forward, backward) seconds of one node's compute on one rank."""
+        c = n.cost
+        if c.kind in ("none", "view", "comm"):
+            return 0.0, 0.0
+        key = (id(c), n.bwd_flops, n.has_grad_fn, tuple(nb for _k, nb, _t in n.saved), div)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = (self._t(c, self.ev(c.flops), self.ev(c.other_flops), self.ev(c.bytes_read + c.bytes_written), div),
+                   self._t(c, self.ev(n.bwd_flops), 2 * self.ev(c.other_flops), self._bwd_bytes(n), div)
+                   if n.has_grad_fn else 0.0)
+            self.cache[key] = hit
+        return hit
+
+    def _bwd_bytes(self, n: NodeCost) -> float:
+        b = sum(self.ev(t.nbytes) for t in n.outputs) + sum(self.ev(t.nbytes) for t in n.grad_inputs)
+        return b + sum(self.ev(nb) for _k, nb, _t in n.saved)
+
+    def _t(self, c, flops: float, other: float, nbytes: float, div: int) -> float:
+        hw = self.hw
+        flops, other, nbytes = flops / div, other / div, nbytes / div
+        t_c = 0.0
+        if c.kind == "matmul":
+            t_c = flops / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops or c.dtype == "fp32" else "fp32")
+                           * hw.eff("matmul"))
+        elif c.kind == "attention":
+            t_c = flops * c.causal_fraction / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops else "fp32")
+                                               * hw.eff("attention"))
+        t_v = other / (hw.device.vector_flops * hw.eff("vector"))
+        t_m = nbytes / (hw.device.memory_bandwidth * hw.eff("memory"))
+        return max(t_c + t_v, t_m) + hw.kernel_overhead_s
+
+
+
+def layout_divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], dict[Any, int]]:
+    """node index -> compute divisor; storage key -> memory divisor, from Plan.node_layouts."""
+    if plan is None or not plan.node_layouts:
+        return {}, {}
+    comp, mem = {}, {}
+    for n in gc.nodes:
+        lay = plan.node_layouts.get(n.key)
+        if lay is None:
+            continue
+        cd = md = 1
+        for axis, p in lay.axes:
+            if axis == plan.dp_axis or axis not in plan.mesh:
+                continue
+            if isinstance(p, (Shard, Partial)):
+                cd *= plan.mesh[axis]
+            if isinstance(p, Shard):
+                md *= plan.mesh[axis]
+        comp[n.index] = cd
+        for k in n.new_storages:
+            mem[k] = md
+    return comp, mem
+

@@ -1,0 +1,202 @@
+"""The discrete choices of a joint plan, their enumeration, and what the cost model predicts.
+
+`Candidate` fixes the mesh (tp x pp x dp, x ep for MoE), the ZeRO stage, the number of
+micro-batches and, with pp > 1, the pipeline schedule (and through it the virtual stages per
+rank, `SCHEDULE_VIRTUAL`); the continuous choices (every node's sharding, split points,
+recompute) are solved inside `plan_cost.PlanCostModel.evaluate`, whose answer is an
+`Evaluation`. `candidates(model, world, pins, support)` lists every candidate the pins, the
+mesh and the model allow: tp at most the GPUs of a node, pp at most the pipeline units, dp x ep
+x micro-batches dividing the global batch, ZeRO 1-3 only with dp > 1, interleaved schedules
+only with micro-batches divisible by pp, searched schedules `SEARCHED_SCHEDULES` (gpipe only
+when pinned).
+
+`plain(x)`: numpy numbers and arrays as Python ones, tuples as lists (what json writes and reads
+back unchanged), for every report the search keeps.
+
+Reads and writes no node.meta. Deterministic: candidates come in a fixed order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+import numpy as np
+import torch.fx as fx
+
+__all__ = ["Candidate", "Evaluation", "SCHEDULE_VIRTUAL", "SEARCHED_SCHEDULES", "candidates", "plain"]
+
+SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULE_VIRTUAL = {"1f1b": 1, "gpipe": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """The discrete choices of a plan (the continuous ones — sharding of every node, split
+    points, recompute — are solved inside `PlanCostModel.evaluate`)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero: int = 0
+    micro: int = 1  # micro-batches per step
+    schedule: str = "none"  # pipeline schedule ("none" when pp == 1)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.ep
+
+    @property
+    def virtual(self) -> int:
+        return SCHEDULE_VIRTUAL.get(self.schedule, 1) if self.pp > 1 else 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual
+
+    def mesh(self) -> dict[str, int]:
+        """Mesh axes of size > 1 in autopar's canonical order (pp outermost, tp innermost, so
+        that tp groups stay inside a node); {"dp": 1} for one device."""
+        m = {a: s for a, s in (("pp", self.pp), ("dp", self.dp), ("ep", self.ep), ("tp", self.tp)) if s > 1}
+        return m or {"dp": 1}
+
+    def dims(self) -> dict[str, Any]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "zero_stage": self.zero,
+                "n_microbatches": self.micro, "schedule": self.schedule}
+
+    def label(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts.append(f"ZeRO-{self.zero}")
+        parts.append(f"{self.micro} micro-batch{'es' if self.micro > 1 else ''}")
+        if self.pp > 1:
+            parts.append(self.schedule)
+        return " ".join(parts)
+
+
+@dataclass
+class Evaluation:
+    """What the cost model predicts for one candidate (seconds, bytes, per step)."""
+
+    candidate: Candidate
+    step_s: float
+    peak_bytes: float  # the fullest rank's peak
+    limit_bytes: float
+    memory: dict[str, float]  # the fullest rank by category
+    compute_s: float  # the busiest rank's forward + backward (+ recompute), all micro-batches
+    bubble: float  # pipeline idle fraction (0 without a pipeline)
+    recompute_s: float
+    optimizer_s: float
+    comm: dict[str, dict[str, float]]  # axis -> bytes_sent, time_s, exposed_s (per rank per step)
+    flops: float  # model FLOPs per step on one rank (no recompute)
+    mfu: float
+    tokens_per_s: float
+    rows_per_micro: int
+    split_points: list[str] = field(default_factory=list)
+    stage_units: list[list[str]] = field(default_factory=list)
+    recompute: dict[str, str] = field(default_factory=dict)  # unit (module path) -> "full"
+    rank_peaks: list[float] = field(default_factory=list)  # per pp rank
+    notes: list[str] = field(default_factory=list)
+    pruned: bool = False  # not simulated: its bound is over the cutoff it was given
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak_bytes <= self.limit_bytes * (1 + 1e-9)
+
+    @property
+    def shortfall(self) -> float:
+        return max(0.0, self.peak_bytes - self.limit_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data (numpy numbers as Python ones)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "candidate"}
+        d["candidate"] = self.candidate.dims()
+        d["label"] = self.candidate.label()
+        d["feasible"] = self.feasible
+        return plain(d)
+
+
+def plain(x: Any) -> Any:
+    """`x` with numpy scalars and arrays turned into Python numbers and lists, tuples into
+    lists: what json writes and reads back unchanged."""
+    if isinstance(x, Mapping):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return [plain(v) for v in x.tolist()]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return float(x)
+    return x
+
+
+# ------------------------------------------------------------------------ candidates
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping[str, bool]) -> list[Candidate]:
+    """Every candidate of the outer search that the pins, the mesh and the model allow.
+    `model`: the `plan_cost.PlanCostModel` (its tables: hw, L, global_batch, has_moe,
+    n_experts, gm); `support`: the planner's RUNTIME_SUPPORT flags."""
+    hw = model.hw
+    L = model.L
+    G = model.global_batch
+    eps = [1]
+    if model.has_moe and support.get("ep"):
+        eps += [e for e in _divisors(world) if e > 1 and model.n_experts % e == 0]
+    tied = _has_tied(model.gm)
+    out = []
+    for t in _divisors(world):
+        if t > hw.gpus_per_node and "tp" not in pins:
+            continue
+        for e in eps:
+            if world % (t * e):
+                continue
+            for p in _divisors(world // (t * e)):
+                if p > L or (e > 1 and p > 1 and not support.get("ep_with_pp")):
+                    continue
+                d = world // (t * e * p)
+                if G % (d * e):
+                    continue
+                rows = G // (d * e)
+                zeros = [0, 1, 2, 3] if d > 1 else [0]
+                for m in _divisors(rows):
+                    for sched in (["none"] if p == 1 else
+                                  ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
+                        c0 = Candidate(t, p, d, e, 0, m, sched)
+                        if c0.n_stages > L:
+                            continue
+                        if c0.virtual > 1 and m % p:
+                            continue
+                        if p > 1 and m < p and sched != "1f1b":
+                            continue  # fewer micro-batches than ranks: 1F1B is as good as any
+                        for z in zeros:
+                            if p > 1 and tied and z and not support.get("zero_with_tied_pp"):
+                                continue
+                            c = replace(c0, zero=z)
+                            if _matches(c, pins):
+                                out.append(c)
+    return out
+
+
+def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:
+    for k, v in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("ep", c.ep), ("zero_stage", c.zero),
+                 ("n_microbatches", c.micro)):
+        if k in pins and pins[k] != v:
+            return False
+    if "schedule" in pins and c.pp > 1 and pins["schedule"].lower().replace("-", "_") != c.schedule:
+        return False
+    sp = pins.get("split_points")
+    if sp and c.n_stages < len(sp) + 1:
+        return False
+    return True
+
+
+def _has_tied(gm: fx.GraphModule) -> bool:
+    return len(list(gm.named_parameters(remove_duplicate=False))) != len(list(gm.named_parameters()))
