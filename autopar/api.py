@@ -22,8 +22,8 @@ from autopar.build.materialize import has_meta_tensors, materialize, open_weight
 from autopar.build.model_tensors import model_tensors
 from autopar.build.plan_check import axis_notes, check_mesh_fits, check_plan_against_graph, stamp
 from autopar.capture import CaptureError, capture
+from autopar.cost.hardware import default_profile
 from autopar.input_checks import check_captured_graph, check_example_inputs, check_step_batch, explain_capture_failure
-from autopar.passes import ir
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.expert import expert
@@ -35,9 +35,12 @@ from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
 from autopar.passes.sync_batchnorm import sync_batchnorm
 from autopar.passes.zero import zero
-from autopar.runtime.mesh import Mesh, make_mesh
+from autopar.runtime.mesh import Mesh, make_mesh, planning_group
 from autopar.runtime.placement import Layout, Replicate, Shard
 from autopar.runtime.program import Program
+from autopar.runtime.zero_plain_optim import named_masters
+from autopar.search.fusion import search_fusions
+from autopar.search.shard_search import SHARD_AXES, batch_is_static, search_sharding
 
 
 def mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None, **axes: int) -> Mesh:
@@ -76,6 +79,22 @@ class ParallelModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.program(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The tensors this program trains, under the model's parameter names: the parameters
+        (ZeRO-0), this rank's rows of them (ZeRO-1/2; fp32 copies under mixed precision or
+        offload), this rank's shards (ZeRO-3). `torch.optim.AdamW(pm.parameters())` therefore
+        trains as `autopar.optimizer(pm, torch.optim.AdamW)` does (fp16 overflow steps skipped
+        too; clip with `pm.engine.clip_grad_norm_`: runtime/zero_plain_optim.py), and an optimizer over
+        tensors the program does not train (the original module's parameters under ZeRO-3)
+        raises ValueError at its first step. The module's own tensors stay reachable as
+        `pm.program.module.named_parameters()`."""
+        for name, t in named_masters(self.engine, remove_duplicate=remove_duplicate):
+            yield (f"{prefix}.{name}" if prefix else name), t
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient the program holds (model-side and on what it trains)."""
+        self.engine.zero_grad(set_to_none)
 
     def step(self, batch, loss_fn, n_microbatches: int | None = None) -> torch.Tensor:
         n = n_microbatches or self._plan.n_microbatches
@@ -205,7 +224,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             check_mesh_fits(global_gm, mesh)
         stamp(plan, global_gm)
     local_gm = _fresh(global_gm)
-    if dp > 1 and _batch_is_static(global_gm):
+    if dp > 1 and batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
         # capture again at the local micro-batch size for the per-rank program
         k = dp * plan.n_microbatches
@@ -214,7 +233,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         local_gm = _fresh(_capture(local_args, local_kwargs))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh))
+    search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh), group=planning_group())
     if mesh.size("ep") > 1 and "expert" not in plan.extra:
         if mesh.size("pp") > 1:
             raise ValueError("expert parallelism with pipeline parallelism is not wired yet; use a mesh without pp")
@@ -230,8 +249,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
 
         selection(plan.fusions)  # a bad entry is a ValueError here, not a PassError
     else:
-        static = _batch_is_static(global_gm)
-        _search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
+        static = batch_is_static(global_gm)
+        search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
                         1 if static else dp * plan.n_microbatches)
     plan.notes += [n for n in axis_notes(plan) if n not in plan.notes]
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
@@ -307,7 +326,10 @@ def _grouped_expert_layouts(plan: Plan, mesh: Mesh) -> None:
             plan.param_layouts[name] = base.replace("ep", Shard(0))
 
 def optimizer(model: ParallelModel, cls: type, **kwargs: Any):
-    """The optimizer for a parallelised model: `cls` over this rank's (possibly sharded) state."""
+    """The optimizer for a parallelised model: `cls` over this rank's (possibly sharded) state,
+    with global gradient clipping (`model.engine.clip_grad_norm_`) and fp16 loss scaling.
+    `cls(model.parameters(), ...)` also trains (model.parameters() are what the program
+    trains); an optimizer over the original module's parameters is refused at its first step."""
     if not isinstance(model, ParallelModel):
         raise TypeError("autopar.optimizer takes the model returned by autopar.parallelize; for a plain "
                         f"module use {getattr(cls, '__name__', cls)}(module.parameters()) directly")
@@ -328,9 +350,6 @@ def sampler(dataset, mesh: Mesh, *, shuffle: bool = True, seed: int = 0, drop_la
 
 
 # --- helpers -----------------------------------------------------------------------------
-SHARD_AXES = ("tp",)
-
-
 def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches) -> Plan:
     others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "pp", "ep") + SHARD_AXES and s > 1}
     if plan is None:
@@ -348,93 +367,8 @@ def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
     return plan.pin(**all_pins) if all_pins else plan
 
 
-def _micro_sizes(gm, plan: Plan, mesh: Mesh) -> dict[str, int] | None:
-    """{"b": rows of one rank's micro-batch} for a graph captured with a dynamic batch, else None."""
-    if _batch_is_static(gm):
-        return None
-    ph = next((n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-               and n.meta["val"].dim() > 0), None)
-    if ph is None:
-        return None
-    rows = ph.meta["val"].shape[0]
-    hint = getattr(getattr(rows, "node", None), "hint", None)
-    rows = int(hint if hint is not None else rows) if not isinstance(rows, int) else rows
-    per = plan.dp * mesh.size("ep") * plan.n_microbatches
-    return {"b": max(1, rows // per)} if per > 1 else None
-
-
 def _hardware(mesh: Mesh) -> str:
-    return "cpu-gloo" if mesh.device_type == "cpu" else "h100-sxm"
-
-
-def _search_sharding(plan: Plan, gm, mesh: Mesh, hardware: str) -> None:
-    """Solve the sharding ILP for every sharding axis the plan does not already fix; rank 0
-    solves and the others receive its answer, so every rank carries out the same plan. A graph
-    captured with a dynamic batch is solved at one rank's micro-batch (the global batch over
-    dp x ep x micro-batches): the size the strategies run at."""
-    from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
-    from autopar.runtime.placement import parse_placement  # noqa: PLC0415
-
-    for axis in SHARD_AXES:
-        k = mesh.sizes.get(axis, 1)
-        if k < 2 or axis in plan.strategies:
-            continue
-        result = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            pins = {name: lay[axis] for name, lay in plan.param_layouts.items() if axis in dict(lay.axes)}
-            try:
-                sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins,
-                                     sizes=_micro_sizes(gm, plan, mesh))
-                result = {"strategies": sol.strategies(), "params": {n: str(p) for n, p in sol.param_placements().items()},
-                          "notes": [sol.summary()] + _shard_notes(sol),
-                          "layouts": {sol.keys[n]: str(s.out) for n, s in sol.chosen.items()
-                                      if s.out is not None and str(s.out) != "R" and n.op == "call_function"},
-                          "search": {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "gap": sol.gap,
-                                     "seconds": sol.seconds, "status": sol.status}}
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                result = {"error": f"{type(e).__name__}: {e}"}
-        if dist.is_initialized():
-            box = [result]
-            dist.broadcast_object_list(box, src=0)
-            result = box[0]
-        if "error" in result:
-            raise ValueError(f"the sharding search on {axis}={k} failed: {result['error']}")
-        plan.strategies[axis] = result["strategies"]
-        for name, p in result["params"].items():
-            base = plan.param_layouts.get(name) or Layout.replicated(tuple(mesh.sizes))
-            plan.param_layouts[name] = base.replace(axis, parse_placement(p))
-        plan.notes += result["notes"]
-        for key, p in result["layouts"].items():
-            plan.node_layouts[key] = Layout.replicated(tuple(mesh.sizes)).replace(axis, parse_placement(p))
-        plan.extra.setdefault("shard", {})[axis] = result["search"]
-
-
-def _search_fusions(plan: Plan, gm, hardware: str, batch_split: int) -> None:
-    """plan.fusions from the cost model (deterministic: every rank gets the same)."""
-    from autopar.search.fusion import fusion_notes, plan_fusions  # noqa: PLC0415
-
-    plan.fusions, rows = plan_fusions(gm, hardware, batch_split=batch_split)
-    plan.notes += fusion_notes(rows)
-    plan.extra["fusion"] = [r.to_dict() for r in rows]
-
-
-def _shard_notes(sol) -> list[str]:
-    notes = []
-    if sol.unruled:
-        notes.append("replicated (no sharding rule): " + ", ".join(f"{op} x{c}" for op, c in sol.unruled.most_common()))
-    if sol.excluded:
-        uniq = sorted(set(sol.excluded))
-        notes.append(f"{len(uniq)} shardings excluded as uneven, e.g. " + "; ".join(uniq[:3]))
-    return notes
-
-
-def _batch_is_static(gm) -> bool:
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            shape = ir.info(n).shape
-            if shape and isinstance(shape[0], int):
-                return True
-    return False
+    return default_profile(mesh.device_type)
 
 
 def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware, memory_limit):
@@ -453,7 +387,7 @@ def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_micr
         except ValueError as e:
             box = [{"error": str(e)}]
     if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=planning_group())
     if isinstance(box[0], dict):
         raise ValueError(box[0]["error"])
     plan = Plan.from_json(box[0])
@@ -485,7 +419,7 @@ def _predict(plan: Plan, global_gm, local_gm, mesh: Mesh, hardware: str) -> None
         return
     planned = plan.predicted if plan.predicted.get("source") == "planner" else None
     try:
-        if _batch_is_static(global_gm):
+        if batch_is_static(global_gm):
             predicted = cost_estimate(local_gm, plan, hardware).summary()
         else:
             predicted = cost_estimate(global_gm, plan, hardware, batch_is_global=True).summary()

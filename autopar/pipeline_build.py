@@ -40,7 +40,7 @@ from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager, PassRecord
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import PipelineInfo, split_pipeline
-from autopar.runtime.mesh import Mesh
+from autopar.runtime.mesh import Mesh, planning_group
 from autopar.runtime.pipeline_program import PipelineProgram
 from autopar.runtime.schedules import SCHEDULES, make_schedule, simulate
 
@@ -217,7 +217,7 @@ def _choose_on_rank0(global_gm, plan: Plan, mesh: Mesh, hardware, memory_limit) 
                     "pipeline": plan.extra.get("pipeline")}]
         except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
             box = [{"error": str(e), "value_error": isinstance(e, ValueError), "type": type(e).__name__}]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=planning_group())
     got = box[0]
     if "error" in got:
         if got["value_error"]:

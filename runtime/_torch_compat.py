@@ -36,3 +36,18 @@ def default_group_timeout(device_type: str):
         return None
 
 __all__ += ["default_group_timeout"]
+
+
+# The default process group's store: after a collective fails, the surviving ranks post to it
+# to find out which ranks stopped (runtime/collective_errors.py). torch has no public getter.
+def default_store():
+    """The store the default process group was created with, or None (no group, or this torch
+    does not expose it)."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API: absent or changed in this torch
+        return None
+
+__all__ += ["default_store"]

@@ -13,6 +13,11 @@ that stopped answering.
   `timeout_s` — a dead process, or one whose main thread is stuck anywhere but in a
   collective that has failed. When every rank answers, the original error propagates.
 
+Without a guard a hang is an error too: every collective of the runtime waits at most the job's
+collective timeout (runtime/timeouts.py, 60 s by default) and then raises `CollectiveError`
+naming the collective, the step and the ranks that stopped (runtime/collective_errors.py);
+inside a guard that error is what the guard's probe starts from.
+
 It reads and writes no `node.meta` keys.
 """
 from __future__ import annotations
@@ -25,7 +30,9 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from .collective_errors import guarded
 from .launch import init_job_process_group
+from .timeouts import collective_timeout_s
 from .mesh import device_mesh_with_timeout, mark_host_group
 
 
@@ -40,12 +47,14 @@ def bounded_device_mesh(sizes: Mapping[str, int], timeout_s: float, device_type:
     return device_mesh_with_timeout(sizes, datetime.timedelta(seconds=timeout_s), device_type)
 
 
-def init_restartable(backend: str | None = None, timeout_s: float = 600.0) -> None:
+def init_restartable(backend: str | None = None, timeout_s: float | None = None) -> None:
     """init_process_group for a torchrun job that may be restarted (--max-restarts): the
     rendezvous keys get a per-attempt prefix. Measured on torch 2.13 with --standalone: the
     plain env:// init of a restarted gloo job reads the dead attempt's addresses from the
-    agent's store and fails with "Gloo connectFullMesh failed ... Connection refused"."""
+    agent's store and fails with "Gloo connectFullMesh failed ... Connection refused".
+    `timeout_s`: the job's collective timeout (None: $AUTOPAR_COLLECTIVE_TIMEOUT_S, else 60 s)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    timeout_s = collective_timeout_s(timeout_s)
     td = datetime.timedelta(seconds=timeout_s)
     if attempt is None or "MASTER_ADDR" not in os.environ:
         init_job_process_group(backend, timeout_s=timeout_s)
@@ -95,9 +104,12 @@ class FaultGuard:
                                                     timeout=datetime.timedelta(seconds=2 * timeout_s + 5)))
 
     def __enter__(self) -> "FaultGuard":
+        self._inside = guarded()  # a failed collective leaves finding the silent ranks to the probe
+        self._inside.__enter__()
         return self
 
     def __exit__(self, et, ev, tb) -> bool:
+        self._inside.__exit__(None, None, None)
         if ev is None or not isinstance(ev, RuntimeError) or isinstance(ev, RankUnresponsiveError):
             return False
         silent = probe_ranks(self.group, self.timeout_s)

@@ -37,20 +37,29 @@ def local_cuda_device() -> "torch.device":
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % max(n, 1))
 
 
-def init_job_process_group(backend: str | None = None, *, timeout_s: float = 600.0, **kwargs: Any) -> str:
+def init_job_process_group(backend: str | None = None, *, timeout_s: float | None = None, **kwargs: Any) -> str:
     """`dist.init_process_group` for this rank; returns the backend. `backend` None: NCCL when a
     GPU is visible, gloo otherwise. Under NCCL the rank's GPU (`local_cuda_device`) becomes the
     current device and is passed as `device_id`. `kwargs` go to init_process_group (init_method,
-    rank, world_size, store)."""
+    rank, world_size, store).
+
+    `timeout_s`: the job's collective timeout, in seconds: a collective (of the default group
+    and of every mesh axis group, which inherit it) that waits longer for a rank fails on the
+    ranks that wait, naming the collective and the ranks that stopped
+    (runtime/collective_errors.py). None: $AUTOPAR_COLLECTIVE_TIMEOUT_S, else 60 s
+    (runtime/timeouts.py)."""
     import torch
     import torch.distributed as dist
 
+    from .timeouts import collective_timeout_s
+
+    seconds = collective_timeout_s(timeout_s)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if "nccl" in backend:
         dev = local_cuda_device()
         torch.cuda.set_device(dev)
         kwargs.setdefault("device_id", dev)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
     return backend
 
 
@@ -65,7 +74,7 @@ def free_port() -> int:
 
 
 def _child(rank: int, world_size: int, init_file: str, backend: str, fn: Callable, args: tuple,
-           kwargs: dict, queue, threads: int, collective_timeout_s: float):
+           kwargs: dict, queue, threads: int, collective_timeout_s: float | None):
     import torch
     import torch.distributed as dist
 
@@ -109,13 +118,15 @@ def default_start_method(backend: str) -> str:
 
 
 def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
-              collective_timeout_s: float = 60.0, threads: int | None = None,
+              collective_timeout_s: float | None = None, threads: int | None = None,
               start_method: str | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` fresh processes.
 
     Returns the list of per-rank results (must pickle; otherwise their repr). Raises
     `WorldError` naming each failed rank with its traceback, or the ranks that did not
-    finish within `timeout_s`. `start_method` (or AUTOPAR_START_METHOD) picks fork or spawn;
+    finish within `timeout_s`. `collective_timeout_s`: the job's collective timeout (None:
+    $AUTOPAR_COLLECTIVE_TIMEOUT_S, else 60 s; see `init_job_process_group`).
+    `start_method` (or AUTOPAR_START_METHOD) picks fork or spawn;
     by default fork, except for an NCCL world in a process that has initialised CUDA (spawn:
     `fn` must then be importable by name).
     """

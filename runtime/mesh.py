@@ -8,7 +8,9 @@ the last axis varies fastest (put `tp` last so that it stays inside a node).
 
 Guarantees: the product of the axis sizes equals the world size whenever a process group
 exists; axis names are unique; errors name the sizes and say how to fix them; the axis groups
-time out as the job's default group does (torch's `new_group` would wait 30 minutes).
+time out as the job's default group does (torch's `new_group` would wait 30 minutes), or after
+$AUTOPAR_COLLECTIVE_TIMEOUT_S / 60 s when the job runs with torch's untouched default
+(`timeouts.group_timeout`).
 
 Device: a mesh's device follows the running job's backend (`default_device_type`): NCCL means
 CUDA, a gloo world means the CPU even on a machine with a GPU (a forked test world must never
@@ -26,7 +28,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ._torch_compat import default_group_timeout
+from .timeouts import group_timeout
 
 # Canonical order when sizes are given as keywords: pipeline outermost, tensor innermost.
 AXIS_ORDER = ("pp", "dp", "ep", "cp", "tp")
@@ -97,14 +99,10 @@ class Mesh:
             if ws != self.world_size:
                 raise ValueError(f"{self} has {self.world_size} ranks but the job has world size {ws}; "
                                  f"choose axis sizes whose product is {ws}")
-            td = default_group_timeout(self.device_type)
-            if td is None:
-                from torch.distributed.device_mesh import init_device_mesh
-
-                self._device_mesh = init_device_mesh(self.device_type, tuple(self.sizes.values()),
-                                                     mesh_dim_names=self.axis_names)
-            else:  # the axis groups time out as the job's default group does
-                self._device_mesh = device_mesh_with_timeout(self.sizes, td, self.device_type)
+            # the axis groups time out as the job does (runtime/timeouts.py), not after torch's
+            # 30 minutes for new groups
+            self._device_mesh = device_mesh_with_timeout(self.sizes, group_timeout(self.device_type),
+                                                         self.device_type)
         return self._device_mesh
 
     def group(self, axis: str):
@@ -158,6 +156,22 @@ def host_group(name: str = "host", timeout_s: float | None = None):
         made = (world, mark_host_group(dist.new_group(backend="gloo", **kw)))
         _HOST_GROUPS[name] = made
     return made[1]
+
+
+def planning_group():
+    """The host group on which rank 0's planning answers (sharding search, joint plan, pipeline
+    split) reach the other ranks. While rank 0 plans they wait, for as long as planning takes:
+    its timeout is `AUTOPAR_PLANNING_TIMEOUT_S` (default 1800 s), not the collectives' short one."""
+    import os  # noqa: PLC0415
+
+    raw = os.environ.get("AUTOPAR_PLANNING_TIMEOUT_S", "1800")
+    try:
+        timeout_s = float(raw)
+    except ValueError:
+        raise ValueError(f"AUTOPAR_PLANNING_TIMEOUT_S={raw!r} is not a number of seconds") from None
+    if timeout_s <= 0:
+        raise ValueError(f"AUTOPAR_PLANNING_TIMEOUT_S={raw!r} must be a positive number of seconds")
+    return host_group("planning", timeout_s=timeout_s)
 
 
 def mark_host_group(group):

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from .collective_errors import issue
 from ._torch_compat import pytree
 from .program import Program
 
@@ -331,7 +332,8 @@ class ExpertProgram(Program):
         if self.ep > 1:
             loss = loss.clone()
             C.COUNTER.record("metric_all_reduce", self.ep_axis, loss.numel() * loss.element_size())
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh.group(self.ep_axis))
+            issue("loss all_reduce", dist.all_reduce, loss, op=dist.ReduceOp.AVG,
+                  group=self.mesh.group(self.ep_axis), axis=self.ep_axis)
         return loss
 
 

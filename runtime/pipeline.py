@@ -70,6 +70,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from .collective_errors import failed, p2p, where
 from .collectives import COUNTER
 from .schedules import Action, Kind, Schedule, simulate
 
@@ -402,7 +403,7 @@ class PipelineExecutor:
             eng = self.engines.get(a.stage)
             sync_here = a.kind in (Kind.B, Kind.W) and self._last_grad_action.get(a.stage) == k
             ctx = eng.no_sync() if eng is not None and not sync_here else contextlib.nullcontext()
-            with ctx:
+            with ctx, where(f"pipeline action {a}"):
                 if a.kind is Kind.F:
                     self._forward(a)
                 elif a.kind is Kind.B:
@@ -414,13 +415,14 @@ class PipelineExecutor:
                     self._drop(a.stage, a.mb)
             if len(self._sends) > 64:
                 self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
-        for w, _ in self._sends:
-            w.wait()
-        self._sends = []
-        for s in sorted(self.engines):
-            self.engines[s].finish_backward()
-        self._reduce_tied()
-        return self._mean_loss()
+        with where("pipeline sends, gradient reduction, loss broadcast"):
+            for w, _ in self._sends:
+                w.wait()
+            self._sends = []
+            for s in sorted(self.engines):
+                self.engines[s].finish_backward()
+            self._reduce_tied()
+            return self._mean_loss()
 
     # --- actions -----------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -500,7 +502,7 @@ class PipelineExecutor:
             body = torch.tensor(meta, dtype=torch.int64, device=self.device)
             head = torch.tensor([body.numel()], dtype=torch.int64, device=self.device)
             for t in (head, body):
-                self._sends.append((dist.isend(t, dst=dst, group=self.group), t))
+                self._sends.append((p2p("send", dist.isend, t, dst, self.group, self.axis), t))
                 COUNTER.record("send_meta", self.axis, t.numel() * t.element_size())
         elif self._meta_out[chan] != sig:
             what = "outputs" if key[0] == "F" else "input gradients"
@@ -509,7 +511,7 @@ class PipelineExecutor:
                              "(split the batch evenly, see split_microbatches)")
         for t in tensors:
             t = t.contiguous()
-            self._sends.append((dist.isend(t, dst=dst, group=self.group), t))
+            self._sends.append((p2p("send", dist.isend, t, dst, self.group, self.axis), t))
             COUNTER.record("send", self.axis, t.numel() * t.element_size())
 
     def _needs(self, a: Action):
@@ -540,7 +542,7 @@ class PipelineExecutor:
             bufs = [torch.empty(shape, dtype=dt, device=self.device) for dt, shape, _ in self._meta_in[chan]]
             works = []
             for t in bufs:
-                works.append(dist.irecv(t, src=self.pp_ranks[q], group=self.group))
+                works.append(p2p("recv", dist.irecv, t, self.pp_ranks[q], self.group, self.axis))
                 COUNTER.record("recv", self.axis, t.numel() * t.element_size())
             self._posted[nxt] = (bufs, works)
             self._recv_next[q] += 1
@@ -548,9 +550,10 @@ class PipelineExecutor:
     def _recv_meta(self, q: int) -> list:
         src = self.pp_ranks[q]
         head = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(head, src=src, group=self.group)
-        body = torch.empty(int(head.item()), dtype=torch.int64, device=self.device)
-        dist.recv(body, src=src, group=self.group)
+        with failed("recv", axis=self.axis, group=self.group, peer=src):
+            dist.recv(head, src=src, group=self.group)
+            body = torch.empty(int(head.item()), dtype=torch.int64, device=self.device)
+            dist.recv(body, src=src, group=self.group)
         COUNTER.record("recv_meta", self.axis, 8 + body.numel() * 8)
         v = body.tolist()
         n, k, out = v[0], 1, []
@@ -579,7 +582,8 @@ class PipelineExecutor:
                 continue
             tot = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params)
             if group is not None:
-                dist.all_reduce(tot, group=group)
+                with failed("tied-weight all_reduce", group=group):
+                    dist.all_reduce(tot, group=group)
                 COUNTER.record("all_reduce", self.axis, tot.numel() * tot.element_size())
             for p in params:
                 p.grad = tot.clone()
@@ -590,6 +594,7 @@ class PipelineExecutor:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.schedule.n_ranks > 1:
-            dist.broadcast(loss, src=self.pp_ranks[self._rank_of(self.last_stage)], group=self.group)
+            with failed("loss broadcast", axis=self.axis, group=self.group):
+                dist.broadcast(loss, src=self.pp_ranks[self._rank_of(self.last_stage)], group=self.group)
             COUNTER.record("broadcast", self.axis, loss.numel() * loss.element_size())
         return loss

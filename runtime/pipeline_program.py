@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
+from .collective_errors import issue, where
 from ._torch_compat import pytree
 from .mesh import Mesh
 from .pipeline import PipelineExecutor
@@ -201,14 +202,17 @@ class PipelineProgram(nn.Module):
         holds_first, holds_last = 0 in ex.modules, self.n_stages - 1 in ex.modules
         mbs = _split(tuple(flat), m, "the local batch's inputs") if holds_first else None
         tgts = _split(targets, m, "the local batch's targets") if holds_last else None
+        self.steps_run = getattr(self, "steps_run", 0) + 1
         try:
-            loss = ex.step(mbs, tgts)
+            with where(f"step {self.steps_run}"):
+                loss = ex.step(mbs, tgts)
         finally:
             ex.loss_fn = self._no_loss
         if self.dp > 1:
             loss = loss.clone()
             C.COUNTER.record("metric_all_reduce", self.dp_axis, loss.numel() * loss.element_size())
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis))
+            issue("loss all_reduce", dist.all_reduce, loss, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis),
+                  axis=self.dp_axis)
         return loss
 
     # --- inference -----------------------------------------------------------------------
@@ -424,6 +428,8 @@ class PipelineEngines:
 class PipelineOptimizer(torch.optim.Optimizer):
     """One optimizer over the local stages' engines: `step`, `zero_grad`, `param_groups`
     (the inner groups themselves, so LR schedulers reach them), `state_dict` per stage."""
+
+    _autopar_managed = True  # zero_plain_optim.MANAGED: its stages' optimizers drive the engines
 
     def __init__(self, optimizers: Mapping[int, Any]):
         self.optimizers = dict(optimizers)

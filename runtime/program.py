@@ -9,7 +9,8 @@ data-parallel ranks of their local mean losses, which equals the one-process los
 `loss_fn` is a mean over the batch).
 
 The runtime knows nothing of plans or graphs beyond "a module to call": the brain decides,
-the passes rewrite, this runs.
+the passes rewrite, this runs. The step labels its parts (`collective_errors.where`: "step 3 >
+micro-batch 1/2 backward", "gradient reduction"), so a collective that fails names where.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn as nn
 from ._torch_compat import pytree
 
 from . import collectives as C
+from .collective_errors import issue, where
 from .mesh import Mesh
 from .zero import broadcast_module, make_engine
 
@@ -39,6 +41,7 @@ class Program(nn.Module):
         if sync_init and self.dp > 1 and dist.is_initialized():
             broadcast_module(module, self.dp_axis)
         self.engine = make_engine(module, mesh, self.dp_axis, zero_stage, bucket_mb, **(engine_options or {}))
+        self.steps_run = 0  # training steps so far: failure messages name the step
 
     # --- forward ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any):
@@ -92,29 +95,34 @@ class Program(nn.Module):
         if not keyword and not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
         micro = _split_micro((dict(inputs) if keyword else tuple(inputs), targets), n_microbatches)
-        total = None
-        loss_work = None
-        for i, (mb_in, mb_tgt) in enumerate(micro):
-            last = i == len(micro) - 1
-            out = self(**mb_in) if keyword else self(*mb_in)
-            loss = check_loss(loss_fn(out, mb_tgt))
-            scaled = loss / len(micro)
-            total = scaled.detach() if total is None else total + scaled.detach()
-            if last and self.dp > 1:
-                # average the reported loss over dp while backward runs (issued before any
-                # gradient bucket, so every rank sees the same collective order)
-                total = total.clone()
-                C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
-                loss_work = dist.all_reduce(total, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis),
-                                            async_op=True)
-            if last:
-                scaled.backward()
-            else:
-                with self.engine.no_sync():
-                    scaled.backward()
-        self.engine.finish_backward()
-        if loss_work is not None:
-            loss_work.wait()
+        self.steps_run += 1
+        with where(f"step {self.steps_run}"):
+            total = None
+            loss_work = None
+            for i, (mb_in, mb_tgt) in enumerate(micro):
+                last = i == len(micro) - 1
+                with where(f"micro-batch {i + 1}/{len(micro)} forward"):
+                    out = self(**mb_in) if keyword else self(*mb_in)
+                    loss = check_loss(loss_fn(out, mb_tgt))
+                scaled = loss / len(micro)
+                total = scaled.detach() if total is None else total + scaled.detach()
+                if last and self.dp > 1:
+                    # average the reported loss over dp while backward runs (issued before any
+                    # gradient bucket, so every rank sees the same collective order)
+                    total = total.clone()
+                    C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
+                    loss_work = issue("loss all_reduce", dist.all_reduce, total, op=dist.ReduceOp.AVG,
+                                      group=self.mesh.group(self.dp_axis), async_op=True, axis=self.dp_axis)
+                with where(f"micro-batch {i + 1}/{len(micro)} backward"):
+                    if last:
+                        scaled.backward()
+                    else:
+                        with self.engine.no_sync():
+                            scaled.backward()
+            with where("gradient reduction"):
+                self.engine.finish_backward()
+                if loss_work is not None:
+                    loss_work.wait()
         return total
 
 

@@ -36,6 +36,14 @@ The engine interface (what runtime/program.py calls; every engine has it):
     engine.load_state_dict_shards(source)   fill only this rank's rows from a mapping,
                                      safetensors handle or callable (name, start, end)
     engine.loss_scale, engine.last_step_skipped, engine.remove()
+    engine.before_plain_step(), engine.after_plain_step(), engine.untrained
+                                     a plain torch optimizer over the masters (what
+                                     `ParallelModel.parameters()` returns) trains as the
+                                     wrapper does, and one over tensors the engine does not
+                                     train is refused at its first step: runtime/zero_plain_optim.py
+
+Precision: fp64 parameters keep fp64 masters, gradients, reductions and accumulation buffers
+at every stage (mixed precision is for fp16/bf16 `param_dtype` only).
 
 Options (keywords of make_engine):
     param_dtype    None | torch.bfloat16 | torch.float16: compute dtype of the model's

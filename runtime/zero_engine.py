@@ -14,6 +14,7 @@ It reads and writes no `node.meta` keys.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
@@ -21,6 +22,8 @@ import torch
 import torch.nn as nn
 
 from . import collectives as C
+from . import zero_plain_optim
+from .collective_errors import where
 from .zero_optim import DynamicLossScaler, ScaleGrad, ShardedOptimizer, unscale_and_check
 from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make_buckets, shard_info
 
@@ -145,6 +148,11 @@ class EngineBase:
         self._skip_step = False
         self.last_step_skipped = False
         self._hooks: list = []
+        # id -> (weakref, name, why) of tensors a plain optimizer must not step (zero_plain_optim)
+        self.untrained: dict[int, tuple] = {}
+        self.plain_stepped = False  # a plain optimizer stepped since the last forward
+        self._hooks.append(module.register_forward_pre_hook(lambda *_: setattr(self, "plain_stepped", False)))
+        zero_plain_optim.register(self)
 
     # --- construction helpers ----------------------------------------------------------
     def _distinct_params(self) -> list[tuple[str, nn.Parameter, list[str]]]:
@@ -210,6 +218,7 @@ class EngineBase:
 
     def remove(self) -> None:
         """Detach the engine's hooks (the module keeps its current, possibly sharded, state)."""
+        zero_plain_optim.unregister(self)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -285,11 +294,31 @@ class EngineBase:
         self.last_step_skipped = self._skip_step
         if not self._skip_step:
             optim.step()
-            self._write_back()
+            with where("optimizer step"):
+                self._write_back()
         else:
             self.zero_grad(True)
         self._grads_ready = False
         return None
+
+    def before_plain_step(self) -> None:
+        """A plain torch optimizer over the masters steps next (runtime/zero_plain_optim.py)."""
+        if not self._grads_ready and not self.plain_stepped:
+            self.finish_backward()
+        if self._skip_step:  # fp16 overflow: the optimizer skips masters without a gradient
+            for s in self.slots:
+                s.master.grad = None
+
+    def after_plain_step(self) -> None:
+        """Bring the updated masters into the model; drop the model-side gradients they used."""
+        self.last_step_skipped = self._skip_step
+        if not self._skip_step:
+            with where("optimizer step"):
+                self._write_back()
+        for s in self.slots:
+            if s.param is not s.master:
+                s.param.grad = None
+        self._grads_ready, self.plain_stepped = False, True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for s in self.slots:
@@ -478,6 +507,10 @@ class ReplicatedEngine(EngineBase):
                 master = nn.Parameter(rows, requires_grad=p.requires_grad)  # shares p's storage
             if self.param_dtype is not None and p.dtype != self.param_dtype and p.is_floating_point():
                 p.data = p.data.to(self.param_dtype)
+            if master is not p:
+                why = ("the program steps separate master copies of them" if separate else f"under ZeRO-{stage} the "
+                       f"program steps this rank's rows of them{'; reduce-scatter frees their gradients' if stage == 2 else ''}")
+                self.untrained[id(p)] = (weakref.ref(p), name, why)
             self.slots.append(_Slot(name, info, p, master, aliases))
         self._separate = self.mixed or self.offload
         trainable = [s.param for s in self.slots if s.trainable]

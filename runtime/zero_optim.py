@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .zero_plain_optim import MANAGED
+
 
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -85,11 +87,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `state_dict()` / `load_state_dict()` as with any optimizer; the state dict is this rank's
     shard (a per-rank checkpoint, to be loaded on the same rank of the same mesh)."""
 
+    _autopar_managed = True  # zero_plain_optim.MANAGED
+
     def __init__(self, engine, cls, groups: list[dict], **kwargs):
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ValueError(f"make_optimizer needs a torch.optim.Optimizer subclass, got {cls!r}")
         self.engine = engine
         self.optim = cls(groups, **kwargs)
+        setattr(self.optim, MANAGED, True)  # stepped through the engine, not by zero_plain_optim's hooks
         masters = [p for g in self.optim.param_groups for p in g["params"]]
         super().__init__(masters, self.optim.defaults)
         # share the inner optimizer's groups and state, so LR schedulers and checkpoints see them

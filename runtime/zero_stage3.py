@@ -13,7 +13,8 @@ parameter as an attribute of its owning module (`self.wq.weight` in eager code,
   module-path prefix — with one all-gather, and returns the full tensor.
 - Gathered tensors are outputs of `_Unshard`, an autograd Function whose backward receives
   the unit's full gradients, packs them and launches an asynchronous reduce-scatter (or, in
-  `no_sync()`, adds them to an fp32 accumulation buffer). `finish_backward()` waits and
+  `no_sync()`, adds them to an fp32 accumulation buffer; fp64 for fp64 parameters, which keep
+  fp64 gradients and reductions throughout). `finish_backward()` waits and
   accumulates the reduced rows into the shards' `.grad`.
 - Freeing: when another unit is read, the previous unit's full tensors are dropped; the
   root's forward post-hook drops the rest. Tensors that autograd saves for backward and that
@@ -85,6 +86,11 @@ class _Unshard(torch.autograd.Function):
 MAX_INFLIGHT_REDUCES = 2
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients are accumulated and averaged in fp32, or in fp64 for fp64 parameters."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def default_units(module: nn.Module) -> list[str]:
     """One prefix per top-level child; list-like children split per element."""
     out = []
@@ -134,6 +140,8 @@ class ShardedEngine(EngineBase):
             data = (torch.empty(info.local_shape, dtype=mdt, device=mdev) if rows is None
                     else rows.reshape(info.local_shape).to(mdev, mdt, copy=True))
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
+            self.untrained[id(p)] = (weakref.ref(p), name, "under ZeRO-3 the program trains this rank's shards, "
+                                     "which replaced them in the module: they get no gradient")
             slot = _Slot(name, info, shard, shard, aliases)
             self.slots.append(slot)
             members[unit_of(name)].append(slot)
@@ -321,11 +329,11 @@ class ShardedEngine(EngineBase):
         if not any(g is not None for g in grads):
             return
         if not self._sync:
-            u.acc = u.layout.pack_full(grads, torch.float32, self.device, out=u.acc)
+            u.acc = u.layout.pack_full(grads, _acc_dtype(u.dtype), self.device, out=u.acc)
             return
         rdt = self.reduce_dtype or u.dtype
         if u.acc is not None:
-            buf = u.layout.pack_full(grads, torch.float32, self.device, out=u.acc).to(rdt)
+            buf = u.layout.pack_full(grads, _acc_dtype(u.dtype), self.device, out=u.acc).to(rdt)
             u.acc = None
         else:
             buf = u.layout.pack_full(grads, rdt, self.device)
@@ -357,7 +365,7 @@ class ShardedEngine(EngineBase):
         """Wait for one unit's reduce-scatter and add its rows to the shards' gradients."""
         if work is not None:
             work.wait()
-        red = out.float()
+        red = out.to(_acc_dtype(out.dtype))  # fp32, or fp64 for an fp64 model: never narrower
         if self.k > 1:
             red = red.div_(self.k) if red is not out else red.div(self.k)
         for s, v in zip(self.units[uid].slots, self.units[uid].layout.shard_views(red)):
