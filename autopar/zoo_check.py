@@ -5,7 +5,9 @@ processes: `autopar.parallelize` (the planner when the mesh is `world_size=N`), 
 steps on the global batch, the global gradient norm of the first step, and the full state
 dict after the steps (`autopar.export_state_dict`, parameters and buffers such as batch-norm
 statistics); then the same steps on one process with the same seed and batches. Each mesh
-gets its own world, so a failure is that mesh's alone. Rank 0 writes `model.dump()` and the
+gets its own world, so a failure is that mesh's alone. In the same world every mesh also
+runs from a meta build (each rank materializing only its part, from the modules' own init or
+the seed's state dict) and must match the same reference. Rank 0 writes `model.dump()` and the
 plan text; every rank its program.
 
 `plan_real(row)` builds the row at its published size on the meta device, captures it and
@@ -158,17 +160,15 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
     ref_losses, ref_norm, ref_sd = _reference(name, style)
     out = []
     todo = list(meshes if meshes is not None else row.meshes)
-    # one explicit mesh per row also runs from a meta build (the values from the modules' own init)
-    meta_at = next((i for i, (asked, _o) in enumerate(todo) if "world_size" not in asked), None) \
-        if meshes is None else None
-    for i, (asked, opts) in enumerate(todo):
+    also_meta = meshes is None  # every mesh of the row also runs from a meta build, in the same world
+    for asked, opts in todo:
         r = MeshResult(name, dict(asked), tolerances=dict(tol))
         tag = "_".join(f"{k}{v}" for k, v in asked.items())
         dump_dir = os.path.join(dump_root, name, tag) if dump_root else None
         t0 = time.perf_counter()
         try:
             res = run_world(_world_size(asked), _run_rank, name, dict(asked), dict(opts), dump_dir, style,
-                            i == meta_at, timeout_s=timeout_s, collective_timeout_s=60.0)
+                            also_meta, timeout_s=timeout_s, collective_timeout_s=60.0)
         except Exception as e:  # noqa: BLE001 - reported per mesh, the row goes on
             r.error = "".join(traceback.format_exception_only(type(e), e))
             r.seconds = time.perf_counter() - t0

@@ -1,10 +1,11 @@
 """Real size on gloo: a GPT of >= 0.5 B parameters built on the meta device, each of 4 ranks
 materializing only its part, against the same plan run from real weights on every rank.
 
-For ZeRO-3 (dp=4) and tp=2 x dp=2 it prints, per rank, the peak resident memory (RSS,
-sampled every 5 ms from /proc) during `parallelize` + loading, and during two AdamW steps,
-next to the full model's size; and the first step's loss against one process's loss from
-the same checkpoint.
+For ZeRO-3 (dp=4) and tp=2 x dp=2 it prints, per rank, the peak private memory (RssAnon,
+sampled every 5 ms from /proc; the checkpoint's mmapped pages, RssFile, apart) during
+`parallelize` + loading, and during two AdamW steps, next to the full model's size and the
+plan's predicted peak; and the first step's loss against one process's loss from the same
+checkpoint.
 
     python benchmarks/bench_scale.py                 # 0.55 B parameters, seq 16, batch 4
     python benchmarks/bench_scale.py --layers 4      # quicker, smaller
@@ -29,23 +30,40 @@ GiB = 2**30
 
 
 class PeakRSS:
-    """The process's peak resident set size over a phase, sampled from /proc/self/statm."""
+    """The process's peak memory over a phase, sampled from /proc/self/status.
+
+    `anon` is the private anonymous memory (RssAnon: tensors, Python objects, malloc arenas):
+    what the rank really costs the machine. `file` is RssFile: pages of mmapped files that
+    the process touched, e.g. a safetensors checkpoint read through mmap; they are shared page
+    cache that the kernel drops under pressure, so they are reported apart, not as the rank's
+    memory.
+    """
 
     def __init__(self, period_s: float = 0.005):
-        self.period, self.peak, self._stop = period_s, 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.period, self._stop = period_s, threading.Event()
+        self.anon = self.file = 0
 
-    def now(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
+    @staticmethod
+    def now() -> tuple[int, int]:
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    key, kb, _ = line.split()
+                    fields[key] = int(kb) * 1024
+        return fields["RssAnon:"], fields["RssFile:"]
+
+    def _sample(self) -> None:
+        anon, file = self.now()
+        self.anon, self.file = max(self.anon, anon), max(self.file, file)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
+            self._sample()
             time.sleep(self.period)
 
     def __enter__(self):
-        self.peak = self.now()
+        self._sample()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
         return self
@@ -53,7 +71,7 @@ class PeakRSS:
     def __exit__(self, *exc):
         self._stop.set()
         self._t.join()
-        self.peak = max(self.peak, self.now())
+        self._sample()
 
 
 def config(a) -> GPTConfig:
@@ -69,7 +87,7 @@ def batch(a, step: int):
 
 def _rank(rank, ws, a, mesh_kw, opts, source):
     gc.collect()
-    base = PeakRSS().now()
+    base = PeakRSS.now()
     x0, _ = batch(a, 0)
     with PeakRSS() as build:
         if source == "meta":
@@ -80,6 +98,8 @@ def _rank(rank, ws, a, mesh_kw, opts, source):
             torch.manual_seed(0)
             model = GPT(config(a))
             pm = autopar.parallelize(model, autopar.mesh(**mesh_kw), example_inputs=(x0,), **opts)
+        del model  # what the program still holds of the user's model stays counted
+        gc.collect()
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)
     losses = []
     with PeakRSS() as train:
@@ -88,7 +108,9 @@ def _rank(rank, ws, a, mesh_kw, opts, source):
             losses.append(pm.step((x, y), loss_fn).item())
             opt.step()
             opt.zero_grad()
-    return {"base": base, "build": build.peak, "train": train.peak, "losses": losses}
+    pred = pm.plan.predicted.get("estimate", pm.plan.predicted)
+    return {"base": base[0], "build": build.anon, "train": train.anon, "file": max(build.file, train.file),
+            "predicted": pred.get("peak_bytes"), "losses": losses}
 
 
 def write_checkpoint(a) -> None:
@@ -138,8 +160,11 @@ def main(argv=None) -> int:
               f"{time.perf_counter() - t0:.1f} s; 4 gloo ranks, batch {a.batch} x seq {a.seq}")
         ref = pool.apply(one_process_loss, (a,))
         cells = {"zero3": ({"dp": 4}, {"zero_stage": 3}), "tp2dp2": ({"dp": 2, "tp": 2}, {"hardware": "h100-sxm"})}
-        print(f"{'cell':8} {'weights':22} {'rank':>4} {'base':>9} {'parallelize+load':>17} {'2 steps':>9} "
-              f"{'above base / full model':>23}   first loss (one process {ref:.6f})")
+        print("memory is each rank's private anonymous RSS (RssAnon); 'file' is the most checkpoint/library "
+              "pages it had mapped (RssFile, shared page cache, not counted); 'predicted' is the plan's "
+              "cost-model peak for the rank")
+        print(f"{'cell':8} {'weights':18} {'rank':>4} {'base':>7} {'parallelize+load':>16} {'2 steps':>8} "
+              f"{'file':>6} {'above base / model':>18} {'predicted':>9}   first loss (one process {ref:.6f})")
         for cell in a.cells.split(","):
             mesh_kw, opts = cells[cell]
             peaks = {}
@@ -149,12 +174,14 @@ def main(argv=None) -> int:
                 wall = time.perf_counter() - t0
                 label = "meta + safetensors" if source == "meta" else "real on every rank"
                 for r, out in enumerate(res):
-                    print(f"{cell:8} {label:22} {r:>4} {out['base'] / GiB:8.2f}G {out['build'] / GiB:16.2f}G "
-                          f"{out['train'] / GiB:8.2f}G {(max(out['build'], out['train']) - out['base']) / full:22.2f}x   "
+                    above = max(out["build"], out["train"]) - out["base"]
+                    pred = f"{out['predicted'] / GiB:8.2f}G" if out["predicted"] else f"{'-':>9}"
+                    print(f"{cell:8} {label:18} {r:>4} {out['base'] / GiB:6.2f}G {out['build'] / GiB:15.2f}G "
+                          f"{out['train'] / GiB:7.2f}G {out['file'] / GiB:5.2f}G {above / full:17.2f}x {pred}   "
                           f"{out['losses'][0]:.6f} (diff {abs(out['losses'][0] - ref):.1e})")
                 peaks[source] = max(max(o["build"], o["train"]) - o["base"] for o in res)
-                print(f"{cell:8} {label:22} wall {wall:.1f} s")
-            print(f"{cell:8} peak RSS above base, meta / real: {peaks['meta'] / peaks['real']:.2f}")
+                print(f"{cell:8} {label:18} wall {wall:.1f} s")
+            print(f"{cell:8} peak anonymous memory above base, meta / real: {peaks['meta'] / peaks['real']:.2f}")
     return 0
 
 

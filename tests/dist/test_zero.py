@@ -162,9 +162,12 @@ def test_every_stage_with_and_without_accumulation_and_clipping_matches_one_proc
 
 
 # --- an exported GraphModule ----------------------------------------------------------------
-def _graph_world(rank, ws, gm_sunk, gm_raw):
+def _graph_world(rank, ws):
     from autopar.passes.zero import zero
 
+    # exported on each rank: a GraphModule does not pickle, and fork-server worlds pickle arguments
+    x = local(gpt_batches()[0], 0, 2)[0]
+    gm_sunk, gm_raw = (torch.export.export(tiny_gpt(), (x,), strict=False).module() for _ in range(2))
     mesh = make_mesh(dp=ws)
     C.set_active_mesh(mesh)
     base, batches = tiny_gpt(), gpt_batches()
@@ -181,9 +184,7 @@ def _graph_world(rank, ws, gm_sunk, gm_raw):
 
 
 def test_stage3_on_an_exported_graph_module_matches_eager_one_process_and_holds_two_units_at_most():
-    x = local(gpt_batches()[0], 0, 2)[0]
-    gms = [torch.export.export(tiny_gpt(), (x,), strict=False).module() for _ in range(2)]
-    out = world(2, _graph_world, *gms)
+    out = world(2, _graph_world)
     units, live, live_raw = out[0]
     assert units == ["tok_emb", "layers.0", "layers.1", "norm", "lm_head"]
     assert live <= 2 and live_raw == len(units)
