@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
-exec python3 -m pytest tests -q "$@"
+exec python3 -m pytest tests -q --durations=10 "$@"   # and the 10 slowest tests

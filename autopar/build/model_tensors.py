@@ -19,3 +19,28 @@ def model_tensors(global_gm, plan) -> dict[str, Any]:
         by_id.setdefault(id(t), []).append(n)
     return {"layouts": dict(plan.param_layouts), "global_shapes": shapes,
             "aliases": [sorted(g) for g in by_id.values() if len(g) > 1]}
+
+
+def shape_only_copy(gm):
+    """A copy of `gm` whose parameters and buffers are meta tensors of the same shapes, dtypes
+    and tying (two names of one tensor stay one tensor), for the parts of a ParallelModel that
+    only describe the model (checkpoint layouts, save_pretrained's names, dumps, batch checks).
+    Holding the user's full tensors there would keep the whole model alive in every rank's
+    memory after the program took its shards. Returns None when `gm` cannot be deep-copied."""
+    import copy  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    memo: dict[int, Any] = {}
+    for _n, t in gm.named_parameters(remove_duplicate=False):
+        if id(t) not in memo:
+            memo[id(t)] = torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    for _n, t in gm.named_buffers(remove_duplicate=False):
+        if id(t) not in memo:
+            memo[id(t)] = torch.empty_like(t, device="meta")
+    for v in gm.meta.values():  # pytree specs and capture records: shared, not copied
+        memo[id(v)] = v
+    try:
+        return copy.deepcopy(gm, memo)
+    except Exception:  # noqa: BLE001 - an attribute that does not copy: the caller keeps the original
+        return None
