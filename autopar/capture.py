@@ -280,10 +280,12 @@ def library_dirs() -> tuple[str, ...]:
     """The real directories of autopar's own packages and of torch: a frame from a file under
     one of them is the toolkit's, not the user's. Decided by where the modules were loaded
     from, never by a substring of the path: a user's clone is itself a folder named autopar."""
-    import autopar  # noqa: PLC0415
-    from autopar import passes, runtime  # noqa: PLC0415
+    import autopar.passes as passes  # noqa: PLC0415
+    import autopar.runtime as runtime  # noqa: PLC0415
 
-    return tuple(os.path.realpath(os.path.dirname(m.__file__)) for m in (autopar, passes, runtime, torch))
+    own = os.path.dirname(os.path.abspath(__file__))  # this package's folder (autopar/)
+    return (os.path.realpath(own),) + tuple(os.path.realpath(os.path.dirname(m.__file__))
+                                            for m in (passes, runtime, torch))
 
 
 def is_library_file(filename: str, dirs: Sequence[str] | None = None) -> bool:

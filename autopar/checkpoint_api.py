@@ -47,9 +47,7 @@ __all__ = ["save", "load", "latest_checkpoint", "verify_checkpoint", "export_sta
 
 def _model_info(model) -> dict[str, Any]:
     """Layouts, unsharded shapes and tied-name groups of a ParallelModel, as plain data."""
-    from autopar.api import ParallelModel  # noqa: PLC0415 - api imports this module's users
-
-    if not isinstance(model, ParallelModel):
+    if not all(hasattr(model, a) for a in ("global_graph", "engine", "mesh", "plan")):  # a ParallelModel
         raise TypeError(f"expected the model returned by autopar.parallelize, got {type(model).__name__}; "
                         "for a plain nn.Module use torch.distributed.checkpoint or torch.save directly")
     from autopar.build.model_tensors import model_tensors  # noqa: PLC0415
