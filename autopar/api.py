@@ -19,7 +19,7 @@ import torch.nn as nn
 from autopar.runtime._torch_compat import pytree
 
 from autopar.build.materialize import has_meta_tensors, materialize, open_weights
-from autopar.build.model_tensors import model_tensors
+from autopar.build.model_tensors import model_tensors, shape_only_copy
 from autopar.build.plan_check import axis_notes, check_mesh_fits, check_plan_against_graph, stamp
 from autopar.capture import CaptureError, capture
 from autopar.cost.hardware import default_profile
@@ -146,7 +146,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                 n_microbatches: int | None = None, leaf_modules: Iterable[str] = (),
                 dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None,
                 memory_budget: float | int | None = None, memory_limit: float | None = None,
-                weights: Any = None, strict_weights: bool = True) -> ParallelModel:
+                weights: Any = None, strict_weights: bool = True, precision: str | None = None,
+                offload: bool | None = None) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -176,7 +177,20 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             own initialization, equal to one process's `torch.manual_seed(seed); build()`.
             Given with a real model, the source overwrites its values.
         strict_weights: a parameter the source lacks is an error (False: keep its value).
+        precision: "fp32" | "bf16" (pure: parameters, gradients, optimizer states and gradient
+            reduction all in that dtype; the model must already be in it) | "bf16-mixed" /
+            "fp16-mixed" (16-bit compute, fp32 masters and optimizer states, fp32 gradient
+            reduction; fp16 with dynamic loss scaling). Default None: the model's own dtype,
+            pure: a bf16 model trains bf16 AdamW states with no fp32 masters. Written into the
+            Plan's precision fields (`passes.plan.precision_fields`), which the engine and
+            `plan.predicted` both read; pins / a given plan's fields are overridden by it.
+        offload: True keeps masters and optimizer states in CPU memory and steps there
+            (ZeRO-Offload; any ZeRO stage). Default None: the plan's `offload` (False).
     """
+    from autopar.passes.plan import engine_options as precision_options  # noqa: PLC0415
+    from autopar.passes.plan import precision_fields  # noqa: PLC0415
+
+    precision_pins = precision_fields(precision, offload)  # an unknown precision fails before any work
     if mesh is None:
         mesh = make_mesh()
     elif not isinstance(mesh, Mesh):
@@ -212,6 +226,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
         fusions_pinned = True  # so are the fusions (chosen by the planner)
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
+    if precision_pins:
+        plan = plan.pin(**precision_pins)
+    precision_engine = precision_options(plan, {p.dtype for p in model.parameters() if p.is_floating_point()})
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
     check_example_inputs(example_inputs, mesh, plan)
     if global_gm is None:
@@ -270,7 +287,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     records, stage_graphs = list(pm.records), []
     engine_options = {"model_parallel": {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and
                                                      type(p).__name__ == "Shard")
-                                         for name, lay in plan.param_layouts.items()}}
+                                         for name, lay in plan.param_layouts.items()}, **precision_engine}
     if any(v != "none" for v in plan.recompute.values()) and mesh.size("pp") == 1:  # pp: per stage, in build_pipeline
         rpm = PassManager([recompute], dump_dir=dump_dir)
         local_gm = rpm.run(local_gm, ctx, tag=f"rank{rank}_recompute")
@@ -306,6 +323,12 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                              strict=strict_weights)
         plan.notes.append(report.note())
     global_gm.meta["autopar_state_keys"] = list(model.state_dict().keys())  # what save_pretrained writes
+    if not on_meta:  # the description keeps shapes, not the user's full tensors: shards can free them
+        described = shape_only_copy(global_gm)
+        if described is None:
+            plan.notes.append("the captured graph did not deep-copy: pm.global_graph keeps the model's own tensors")
+        else:
+            global_gm = described
     pmodel = ParallelModel(program, plan, local_gm, global_gm, records, global_gm.meta.get("autopar_capture", {}))
     if getattr(model, "config", None) is not None:
         pmodel.__dict__["config"] = model.config  # written as config.json by save_pretrained

@@ -284,6 +284,9 @@ def cmd_run(a) -> int:
     from autopar.launcher import rank_env, run_command, slurm_script, torchrun_command
     from autopar.passes.plan import Plan
 
+    if a.plan is None and (a.precision or a.offload):
+        raise ValueError("--precision / --offload pin fields of a plan: give --plan FILE (from `autopar plan ... "
+                         "--out plan.json`)")
     if a.plan is None:  # the joint planner chooses, in the job, for --nproc ranks
         if a.target.endswith(".py"):
             raise ValueError("a training script reads its plan from $AUTOPAR_PLAN: give --plan FILE")
@@ -299,6 +302,13 @@ def cmd_run(a) -> int:
         plan_path = os.path.abspath(a.plan)
         world = plan.world_size
         cli = plan.extra.get("cli", {})
+        if a.precision or a.offload:  # the plan's precision fields are what the ranks run
+            from autopar.passes.plan import precision_fields  # noqa: PLC0415
+
+            plan = plan.pin(**precision_fields(a.precision, True if a.offload else None))
+            fd, plan_path = tempfile.mkstemp(prefix="autopar_plan_", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(plan.to_json() + "\n")
     args = list(a.args)
     if a.target.endswith(".py"):
         if not os.path.exists(a.target):
@@ -499,6 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--save", metavar="DIR", help="write the trained weights to DIR as a Hugging Face checkpoint "
                    "(sharded safetensors + index + config.json)")
     c.add_argument("--nproc", type=int, help="local ranks (default: the plan's world size)")
+    c.add_argument("--precision", choices=("fp32", "bf16", "bf16-mixed", "fp16-mixed"),
+                   help="pin the plan's precision: pure fp32/bf16 (the model's dtype must match), or 16-bit "
+                        "compute with fp32 masters, states and gradient reduction (fp16: dynamic loss scaling)")
+    c.add_argument("--offload", action="store_true", help="masters and optimizer states in CPU memory")
     c.add_argument("--steps", type=int, default=10, help="steps for a model target (default 10)")
     c.add_argument("--batch", type=int, help="global batch for a model target (default: the plan's)")
     c.add_argument("--seq", type=int, help="sequence length for a model target (default: the plan's)")

@@ -12,6 +12,13 @@ field, or a field of the wrong type or out of range is a `PlanFormatError` (a Va
 naming the field and what it expects. A plan records the graph it was made for (`graph`: a
 fingerprint and counts, `plan_schema.graph_stamp`); whether it fits a model is checked
 against the captured graph by autopar/build/plan_check.py.
+
+Precision is one truth here, read by the runtime (`engine_options`, what the ZeRO engine is
+given) and by the cost model (autopar/cost/estimate.py) alike: `param_dtype` (compute and
+model parameters), `master_dtype` (fp32 master copies the optimizer steps, or null),
+`reduce_dtype` (gradient communication), `optim_dtype` (optimizer states), `offload`
+(masters and optimizer states in CPU memory) and `loss_scale`. `precision_fields(name)`
+spells the named recipes ("fp32", "bf16", "bf16-mixed", "fp16-mixed") as these fields.
 """
 from __future__ import annotations
 
@@ -20,11 +27,83 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import torch
+
 from autopar.runtime.placement import Layout
 
-from .plan_schema import PLAN_VERSION, PlanFormatError, parse_plan_json, validate_plan_dict
+from .plan_schema import PLAN_VERSION, PlanFormatError, parse_plan_json, precision_problems, validate_plan_dict
 
-__all__ = ["Plan", "PlanFormatError", "PLAN_VERSION"]
+__all__ = ["Plan", "PlanFormatError", "PLAN_VERSION", "PRECISIONS", "precision_fields", "engine_options",
+           "torch_dtype"]
+
+# name -> (param_dtype, master_dtype, reduce_dtype, optim_dtype, loss_scale). Gradient
+# reduction under the mixed recipes is fp32: averaging k bf16/fp16 gradients in 16 bits
+# rounds each partial sum to 8 (bf16) or 11 (fp16) mantissa bits and fp16 sums can overflow;
+# fp32 gives the one-process result up to summation order, for twice the bytes (pin
+# reduce_dtype "bf16" to halve them).
+PRECISIONS: dict[str, tuple[str | None, str | None, str | None, str | None, str | None]] = {
+    "fp32": ("fp32", None, None, "fp32", None),
+    "bf16": ("bf16", None, None, "bf16", None),
+    "bf16-mixed": ("bf16", "fp32", "fp32", "fp32", None),
+    "fp16-mixed": ("fp16", "fp32", "fp32", "fp32", "dynamic"),
+}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a plan dtype name ("bf16" -> torch.bfloat16); None for None."""
+    return None if name is None else _TORCH[name]
+
+
+def precision_fields(precision: str | None, offload: bool | None = None) -> dict[str, Any]:
+    """The Plan fields of a named precision recipe (and `offload` when given), to pin.
+
+    None leaves precision at the default: the model's own dtype, pure (no master copies,
+    optimizer states and gradient reduction in the parameters' dtype), which is what runs
+    without a precision. "bf16" / "fp32" are pure as well; "bf16-mixed" and "fp16-mixed"
+    compute in 16 bits with fp32 masters, fp32 optimizer states and fp32 gradient reduction,
+    "fp16-mixed" with dynamic loss scaling."""
+    out: dict[str, Any] = {}
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)} (or None: the "
+                             "model's own dtype, pure)")
+        param, master, reduce, optim, scale = PRECISIONS[precision]
+        out = {"param_dtype": param, "master_dtype": master, "reduce_dtype": reduce, "optim_dtype": optim,
+               "loss_scale": scale}
+    if offload is not None:
+        if not isinstance(offload, bool):
+            raise ValueError(f"offload must be True or False, got {offload!r}")
+        out["offload"] = offload
+    return out
+
+
+def engine_options(plan: "Plan", model_dtypes: set[torch.dtype]) -> dict[str, Any]:
+    """The ZeRO engine options (runtime/zero.py `make_engine`) that run the plan's precision
+    fields, for a model whose floating parameters have `model_dtypes`.
+
+    Mixed precision casts the parameters to `param_dtype` and keeps fp32 masters made from
+    their values before the cast (an fp16/bf16 model gets exact fp32 copies). A pure
+    `param_dtype` must be the model's own dtype: the engine does not convert the model
+    without masters (ValueError saying how to convert it)."""
+    opts: dict[str, Any] = {}
+    param = torch_dtype(plan.param_dtype)
+    if plan.master_dtype is not None:
+        opts["param_dtype"] = param
+        opts["loss_scale"] = plan.loss_scale  # None or "dynamic"
+    elif param is not None and model_dtypes and model_dtypes != {param}:
+        names = sorted(str(d).replace("torch.", "") for d in model_dtypes)
+        raise ValueError(f"plan param_dtype {plan.param_dtype!r} without masters (pure precision) trains the model "
+                         f"in its own parameters, but they are {names}; convert the model first "
+                         f"(model.to({param})) or use precision '{plan.param_dtype}-mixed'"
+                         if plan.param_dtype in ("bf16", "fp16") else
+                         f"plan param_dtype {plan.param_dtype!r} without masters (pure precision) trains the model "
+                         f"in its own parameters, but they are {names}; convert the model first (model.to({param}))")
+    if plan.reduce_dtype is not None:
+        opts["reduce_dtype"] = torch_dtype(plan.reduce_dtype)
+    if plan.offload:
+        opts["offload"] = True
+    return opts
 
 
 @dataclass
@@ -50,6 +129,13 @@ class Plan:
     extra: what passes and searches record beyond the fields above (carried along untouched).
     graph: the graph the plan was made for (`plan_schema.graph_stamp`: fingerprint, counts);
         empty for a plan written by hand, which is then checked name by name only.
+    param_dtype: "fp32" | "bf16" | "fp16" | "fp64": compute dtype of the parameters; None:
+        the model's own dtype.
+    master_dtype: "fp32": master copies of 16-bit parameters the optimizer steps; None: none.
+    reduce_dtype: dtype of gradient reduction; None: the gradients' (parameters') dtype.
+    optim_dtype: dtype of optimizer states: the master's, else the parameters' (None: so).
+    offload: masters and optimizer states in CPU memory, the update on the CPU.
+    loss_scale: "dynamic" (fp16 with fp32 masters) or None.
     """
 
     mesh: dict[str, int]
@@ -68,6 +154,12 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     graph: dict[str, Any] = field(default_factory=dict)
+    param_dtype: str | None = None
+    master_dtype: str | None = None
+    reduce_dtype: str | None = None
+    optim_dtype: str | None = None
+    offload: bool = False
+    loss_scale: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.mesh, dict) or not self.mesh:
@@ -84,6 +176,10 @@ class Plan:
             raise PlanFormatError(f"n_microbatches must be an integer >= 1, got {self.n_microbatches!r}")
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanFormatError(f"bucket_mb must be a positive number (MiB), got {self.bucket_mb!r}")
+        bad = precision_problems({f: getattr(self, f) for f in ("param_dtype", "master_dtype", "reduce_dtype",
+                                                              "optim_dtype", "offload", "loss_scale")})
+        if bad:
+            raise PlanFormatError("; ".join(bad))
 
     @property
     def world_size(self) -> int:

@@ -3,7 +3,8 @@
 `validate_plan_dict(d)` checks a plan's JSON data field by field before a Plan is built from
 it: the version, every field's type, and the ranges a field can take (a mesh of positive
 sizes, a ZeRO stage 0-3, placements that parse, a known schedule, recompute modes, fusion
-rule names). Every problem is listed in one `PlanFormatError` (a ValueError), each naming the
+rule names, precision fields the ZeRO engine can run: `precision_problems`). Every problem
+is listed in one `PlanFormatError` (a ValueError), each naming the
 field, what it expects and what it got:
 
     plan field 'zero_stage': expected an integer from 0 to 3, got '2' (a string)
@@ -139,7 +140,7 @@ def validate_plan_dict(d: Any, source: str = "the plan") -> None:
     out: list[str] = []
     known = ("version", "mesh", "dp_axis", "zero_stage", "bucket_mb", "param_layouts", "node_layouts", "strategies",
              "split_points", "schedule", "n_microbatches", "recompute", "fusions", "predicted", "notes", "extra",
-             "graph")
+             "graph", *PRECISION_FIELDS)
     unknown = sorted(str(k) for k in d if k not in known)
     if unknown:
         out.append(f"unknown plan fields {unknown}; the fields are {sorted(known)}")
@@ -230,6 +231,7 @@ def validate_plan_dict(d: Any, source: str = "the plan") -> None:
                     parse_entry(e)
                 except ValueError as err:
                     out.append(f"plan field 'fusions', entry {e!r}: {err}")
+    out += precision_problems(d)
     for f in ("predicted", "extra", "graph"):
         if f in d and not isinstance(d[f], Mapping):
             out.append(f"plan field {f!r}: expected an object, got {_got(d[f])}")
@@ -243,6 +245,41 @@ def validate_plan_dict(d: Any, source: str = "the plan") -> None:
     if out:
         more = f" (and {len(out) - 12} more)" if len(out) > 12 else ""
         raise PlanFormatError(f"{source} is not a valid plan: " + "; ".join(out[:12]) + more)
+
+
+# ------------------------------------------------------------------------ precision fields
+DTYPE_NAMES = ("fp32", "bf16", "fp16", "fp64")
+PRECISION_FIELDS = ("param_dtype", "master_dtype", "reduce_dtype", "optim_dtype", "offload", "loss_scale")
+
+
+def precision_problems(d: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the precision fields of plan data `d` (absent = default), each
+    naming the field; the combinations are those the ZeRO engine runs (runtime/zero.py):
+    masters only fp32 and only under 16-bit parameters, optimizer states in the master's
+    dtype (the parameter's without masters)."""
+    out: list[str] = []
+    for f in ("param_dtype", "master_dtype", "reduce_dtype", "optim_dtype"):
+        v = d.get(f)
+        if v is not None and v not in DTYPE_NAMES:
+            out.append(f"plan field {f!r}: expected null or one of {list(DTYPE_NAMES)}, got {_got(v)}")
+    if "offload" in d and not isinstance(d["offload"], bool):
+        out.append(f"plan field 'offload': expected true or false, got {_got(d['offload'])}")
+    if d.get("loss_scale") not in (None, "dynamic"):
+        out.append(f"plan field 'loss_scale': expected null or \"dynamic\", got {_got(d['loss_scale'])}")
+    if out:
+        return out
+    param, master, optim = d.get("param_dtype"), d.get("master_dtype"), d.get("optim_dtype")
+    if master is not None and (master != "fp32" or param not in ("bf16", "fp16")):
+        out.append(f"plan fields 'master_dtype' {master!r} with 'param_dtype' {param!r}: master weights are fp32 "
+                   "copies of bf16/fp16 parameters; use master_dtype null (pure) or param_dtype bf16/fp16 with "
+                   "master_dtype fp32")
+    if optim is not None and optim != (master or param or optim):
+        out.append(f"plan field 'optim_dtype': {optim!r}, but the optimizer steps the "
+                   f"{'masters' if master else 'parameters'} in {master or param!r}; set it to that or null")
+    if d.get("loss_scale") == "dynamic" and not (param == "fp16" and master == "fp32"):
+        out.append(f"plan field 'loss_scale': dynamic loss scaling is for fp16 parameters with fp32 masters "
+                   f"(precision 'fp16-mixed'); got param_dtype {param!r}, master_dtype {master!r}")
+    return out
 
 
 # ------------------------------------------------------------------------ the model's stamp

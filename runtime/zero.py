@@ -50,7 +50,9 @@ Options (keywords of make_engine):
                    parameters; masters and optimizer state stay fp32 (mixed precision).
                    Floating inputs of the root forward are cast to it (cast_inputs=False
                    to disable). A captured graph must be captured at this dtype.
-    reduce_dtype   dtype of gradient communication (default: param_dtype, else the grad's)
+    reduce_dtype   dtype of gradient communication (default: param_dtype, else the grad's);
+                   separate masters take the reduced gradient in this dtype (an fp32
+                   reduction of bf16 gradients reaches fp32 masters unrounded, at every stage)
     loss_scale     "auto" (dynamic for fp16, none otherwise) | "dynamic" | None | a number;
                    init_scale, growth_interval as in torch.amp.GradScaler
     offload        True: masters and optimizer state in CPU memory, the update on the CPU

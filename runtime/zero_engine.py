@@ -25,7 +25,7 @@ from . import collectives as C
 from . import zero_plain_optim
 from .collective_errors import where
 from .zero_optim import DynamicLossScaler, ScaleGrad, ShardedOptimizer, unscale_and_check
-from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make_buckets, shard_info
+from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make_buckets, read_rows, shard_info
 
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
@@ -84,23 +84,6 @@ def _map_tensors(obj, fn):
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
-
-
-def read_rows(source, name: str, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of parameter `name` from a state-dict source: a mapping of tensors
-    (or of lazily sliceable objects such as safetensors' `get_slice`), an object with
-    `get_slice(name)` (safetensors `safe_open`), or a callable `(name, start, end) -> rows`."""
-    if callable(source) and not isinstance(source, Mapping):
-        return source(name, start, end)
-    if hasattr(source, "get_slice") and not isinstance(source, Mapping):
-        v = source.get_slice(name)
-    else:
-        if name not in source:
-            raise KeyError(name)
-        v = source[name]
-    if isinstance(v, torch.Tensor) and v.dim() == 0:
-        v = v.reshape(1)
-    return v[start:end]
 
 
 class EngineBase:
@@ -519,7 +502,10 @@ class ReplicatedEngine(EngineBase):
         self.reducer = None
         if self.k > 1 and trainable:
             if stage in (0, 1):
-                self.reducer = GradReducer(trainable, axis, bucket_mb, self.reduce_dtype)
+                # separate masters take their rows from the reduced buffer (the reduce dtype),
+                # not from .grad after its cast back to the parameter's dtype
+                self.reducer = GradReducer(trainable, axis, bucket_mb, self.reduce_dtype,
+                                           self._on_reduced if self._separate else None)
             else:
                 self.reducer = ScatterReducer(trainable, self._infos, axis, self.k, self._on_shard_grads,
                                               bucket_mb, self.reduce_dtype)
@@ -550,10 +536,16 @@ class ReplicatedEngine(EngineBase):
             else:
                 m.grad.add_(g)
 
+    def _on_reduced(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        s = self._slot_of[id(p)]
+        i = s.info
+        s.master.grad = (g.reshape(i.rows, *i.shape[1:])[i.start:i.end] if i.shape else g.reshape(1)).to(
+            s.master.device, s.master.dtype, copy=True)
+
     def _reduce(self) -> None:
         if self.reducer is not None:
             self.reducer.finish()
-        if self.stage == 2 and self.k > 1:
+        if (self.stage == 2 or self._separate) and self.reducer is not None:
             return  # the reducer wrote the masters' gradients
         for s in self.slots:
             g = s.param.grad

@@ -16,13 +16,15 @@ collective asynchronously from the gradient-accumulation hook of its last ready 
 so communication of one bucket runs while backward computes the next. Buckets launch strictly in index order on every rank, so
 every rank issues the same sequence of collectives. Inside `no_sync()` nothing is sent.
 
+`read_rows(source, name, start, end)` reads one parameter's rows from a state-dict source.
+
 It reads and writes no `node.meta` keys.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -235,18 +237,38 @@ class _BucketReducer:
         raise NotImplementedError
 
 
+def read_rows(source, name: str, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of parameter `name` from a state-dict source: a mapping of tensors
+    (or of lazily sliceable objects such as safetensors' `get_slice`), an object with
+    `get_slice(name)` (safetensors `safe_open`), or a callable `(name, start, end) -> rows`."""
+    if callable(source) and not isinstance(source, Mapping):
+        return source(name, start, end)
+    if hasattr(source, "get_slice") and not isinstance(source, Mapping):
+        v = source.get_slice(name)
+    else:
+        if name not in source:
+            raise KeyError(name)
+        v = source[name]
+    if isinstance(v, torch.Tensor) and v.dim() == 0:
+        v = v.reshape(1)
+    return v[start:end]
+
+
 class GradReducer(_BucketReducer):
     """Bucketed asynchronous all-reduce (average) of gradients over `axis`.
 
     After `finish()`, every parameter's `.grad` on every rank of the axis equals the average
     over the axis of the local gradients (a parameter that got no gradient counts as zero,
     as in DDP with find_unused_parameters). `reduce_dtype` (default: the gradient's dtype)
-    is the dtype on the wire."""
+    is the dtype on the wire; `on_reduced(param, grad)`, when given, sees each averaged
+    gradient in that dtype before `.grad` gets its copy in the parameter's dtype."""
 
     def __init__(self, params: Sequence[nn.Parameter], axis: str, bucket_mb: float = 25.0,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None,
+                 on_reduced: Callable[[nn.Parameter, torch.Tensor], None] | None = None):
         super().__init__(params, axis, bucket_mb)
         self.reduce_dtype = reduce_dtype
+        self.on_reduced = on_reduced
 
     def _launch(self, bi, b):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
@@ -262,6 +284,8 @@ class GradReducer(_BucketReducer):
         for p in b.params:
             n = p.numel()
             g = flat[off:off + n].view_as(p)
+            if self.on_reduced is not None:
+                self.on_reduced(p, g)
             if p.grad is None:
                 p.grad = g.to(p.dtype, copy=True)
             else:

@@ -39,6 +39,14 @@ bucket's padded input and output (`ScatterReducer`), ZeRO 3 holds two units of g
 parameters (current + prefetch). The optimizer step adds one temporary
 per parameter element for Adam's foreach denominator.
 
+Precision comes from the Plan's fields, as the ZeRO engine runs them (`passes.plan.
+engine_options`): `param_dtype` (None: the graph's own) prices parameters and their gradients,
+`master_dtype` adds master copies (with their own gradients, as the engine keeps them) and
+sets the optimizer states' dtype, `reduce_dtype` sizes gradient communication and its
+buffers, and `offload` moves masters, their gradients and optimizer states out of device
+memory (`memory["offloaded"]`; not in `peak`). Compute time is still priced at the graph's
+captured dtypes.
+
 Tensor-parallel plug-in: `Plan.node_layouts` maps a node key ("<module path>:<op>#<k>") to its
 output layout; a node's compute is divided by the sizes of the axes where its output is
 Shard or Partial, its new storages by those where it is Shard (the dp axis is ignored: graph
@@ -52,6 +60,7 @@ of the runtime (gloo test tests/dist/test_cost_counter.py), the reported-loss al
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Mapping
@@ -59,7 +68,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from autopar.passes.plan import Plan
+from autopar.passes.plan import Plan, torch_dtype
 
 from . import comm as C
 from .estimate_report import CommReport, Estimate, LayerReport
@@ -92,7 +101,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             capture): b = the captured b / (dp * n_microbatches), unless `global_batch` or
             `sizes["b"]` say otherwise.
         optimizer: "adamw", "adam", "sgd", "sgd_momentum", or a torch.optim class/instance.
-        master_dtype: fp32 master weights; "auto": torch.float32 when parameters are 16-bit.
+        master_dtype: master weights' dtype; "auto": the plan's `master_dtype` (None: no masters,
+            as the engine runs a plan without one).
         grad_dtype: gradient dtype (default: the parameter's).
         algorithm: collective algorithm: "ring", "tree", or "auto" (the faster one per call, as
             NCCL's tuner picks; bytes_sent follows the choice).
@@ -102,6 +112,11 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     hw = load_profile(hardware)
     gc = gm if isinstance(gm, GraphCost) else analyze(gm, hw, kernels=kernels)
     plan = plan or Plan(mesh={"dp": 1})
+    param_dt = torch_dtype(plan.param_dtype)
+    if param_dt is not None:  # the engine casts every floating parameter (not buffers) to it
+        gc = dataclasses.replace(gc, params=[dataclasses.replace(p, dtype=param_dt)
+                                             if not p.is_buffer and p.dtype.is_floating_point else p
+                                             for p in gc.params])
     mesh = dict(plan.mesh)
     notes: list[str] = []
     world = math.prod(mesh.values())
@@ -171,18 +186,19 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     fwd_compute, bwd_compute = sum(fwd_t), sum(bwd_t)
 
     # --- model states ------------------------------------------------------------------
-    param_dtypes = {p.dtype for p in gc.params if p.requires_grad}
     if master_dtype == "auto":
-        master_dtype = torch.float32 if param_dtypes & {torch.float16, torch.bfloat16} else None
+        master_dtype = torch_dtype(plan.master_dtype)
     opt = OptimizerSpec.of(optimizer)
     states: StateBytes = model_states(gc.params, opt, zero_stage=plan.zero_stage if dp > 1 else 0, dp=dp, rank=0,
                                       master_dtype=master_dtype, grad_dtype=grad_dtype,
-                                      param_layouts=plan.param_layouts, mesh=mesh, dp_axis=dp_axis)
+                                      param_layouts=plan.param_layouts, mesh=mesh, dp_axis=dp_axis,
+                                      separate_masters=plan.offload, as_engine=True)
+    reduce_dt = torch_dtype(plan.reduce_dtype)
     zero = plan.zero_stage if dp > 1 else 0
 
     # --- data-parallel communication and its overlap ----------------------------------------
     trainable = [p for p in gc.params if p.requires_grad]
-    grad_item = {p.name: (grad_dtype or p.dtype).itemsize for p in trainable}
+    grad_item = {p.name: (reduce_dt or grad_dtype or p.dtype).itemsize for p in trainable}  # communicated
     # after TP, before ZeRO
     shapes = {p.name: tp_local_shape(p, plan.param_layouts, mesh, dp_axis) for p in gc.params if not p.is_buffer}
     local = {name: math.prod(rows_of(sh)) for name, sh in shapes.items()}
@@ -248,18 +264,26 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     pg_bytes = {}
     for p in trainable:
         if p.key is not None:
-            pg_bytes[p.key] = states.per_param.get(p.name, {}).get("grads", 0)
+            row = states.per_param.get(p.name, {})
+            pg_bytes[p.key] = row.get("grads", 0) - row.get("master_grads", 0)  # masters' come after backward
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
                     storage_divisor=mem_div)
+    # offload: masters (at ZeRO-3 the shards themselves), their gradients and the states on the CPU
+    host_params = states.params if plan.offload and zero == 3 else 0
+    offloaded = states.master + states.optimizer + states.master_grads + host_params if plan.offload else 0
     persistent = states.params + states.master + states.optimizer + states.buffers
-    end_of_bwd = persistent + states.grads + transient + live.inputs
+    if plan.offload:
+        persistent -= states.master + states.optimizer + host_params
+    dev_grads = states.grads - (states.master_grads if plan.offload else 0)
+    end_of_bwd = persistent + dev_grads + transient + live.inputs
     adam_tmp = (states.optimizer - (4 * len(trainable) if opt.step_tensor else 0)) / max(opt.states, 1) \
         if opt.states else 0
-    opt_peak = persistent + states.grads + adam_tmp
+    opt_peak = persistent + dev_grads + (0 if plan.offload else adam_tmp)
     peak = max(persistent + live.peak + (transient if zero == 3 else 0), end_of_bwd, opt_peak)
     memory = {**{k: float(v) for k, v in states.to_dict().items() if k != "total"},
               "activations": float(live.saved), "activation_peak": float(live.peak),
-              "transient": float(transient), "peak": float(peak), "capacity": float(hw.device.memory_bytes)}
+              "transient": float(transient), "peak": float(peak), "capacity": float(hw.device.memory_bytes),
+              "offloaded": float(offloaded)}
     memory["headroom"] = memory["capacity"] - memory["peak"]
     if peak > hw.device.memory_bytes:
         notes.append(f"peak memory {peak / 2**30:.1f} GiB exceeds the device's "
@@ -302,6 +326,11 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                      + ", ".join(f"{k} x{v}" for k, v in sorted(gc.unknown_saved.items())))
     for op, why in sorted(gc.rule_errors.items()):
         notes.append(f"the rule for {op} could not cost a call ({why}); fallback used")
+    if plan.offload:
+        notes.append("offload: the optimizer step is costed at device memory bandwidth (a CPU step and the "
+                     "host-device copies are not modelled yet)")
+    if plan.master_dtype is not None:
+        notes.append("mixed precision: compute is costed at the captured graph's dtypes")
     if plan.split_points or plan.schedule:
         notes.append("pipeline stages (split_points / schedule) are not modelled yet: costed as one stage")
     if any(v != "none" for v in plan.recompute.values()):

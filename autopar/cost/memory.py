@@ -16,7 +16,13 @@ padding to c rows exists only in communication buffers: `padded_numel`).
               torch.optim makes a `step` for each one that has a gradient)
   buffers     full size on every rank
 State dtype = the master dtype when master weights are kept, else the parameter's dtype
-(torch.optim keeps states like the parameter they update).
+(torch.optim keeps states like the parameter they update). With `as_engine`, separate
+masters (fp32 masters of 16-bit parameters, or any master with `separate_masters`, as offload
+keeps them) carry their own gradient, as the ZeRO engine keeps it: stages 0-1 the model's
+full gradient plus the master's (n_opt elements, master dtype); stages 2-3 only the master's rows (the reducer
+writes them and frees the full gradient). That part is also in `master_grads`. At stage 3 the
+engine keeps no 16-bit shard: the module's parameter is the master's rows, counted as params
+(in the master's dtype), master 0; the 16-bit copies exist only while a unit is gathered.
 
 Activation peak (`liveness`): a walk over the forward in graph order, then the backward in
 reverse order. Forward: a node allocates the storages its outputs create (views allocate
@@ -102,6 +108,7 @@ class StateBytes:
     optimizer: int = 0
     buffers: int = 0
     per_param: dict[str, dict[str, int]] = field(default_factory=dict)
+    master_grads: int = 0  # the part of `grads` held by separate masters (counted once, in grads)
 
     @property
     def total(self) -> int:
@@ -144,7 +151,8 @@ def padded_numel(shape: tuple[int, ...], parts: int) -> int:
 def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stage: int = 0, dp: int = 1,
                  rank: int = 0, master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  param_layouts: Mapping[str, Layout] | None = None, mesh: Mapping[str, int] | None = None,
-                 dp_axis: str | None = "dp") -> StateBytes:
+                 dp_axis: str | None = "dp", separate_masters: bool = False,
+                 as_engine: bool = False) -> StateBytes:
     """Bytes of parameters, gradients, master weights and optimizer states on one rank.
 
     Args:
@@ -156,6 +164,11 @@ def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stag
         master_dtype: keep master weights in this dtype when it differs from the parameter's
             (e.g. torch.float32 for bf16 training with fp32 master weights).
         grad_dtype: gradient dtype (default: the parameter's).
+        separate_masters: masters are separate tensors even without a dtype change (offload:
+            copies in CPU memory); they cost master bytes (and gradients with as_engine).
+        as_engine: count separate masters as the ZeRO engine keeps them (their gradients; at
+            ZeRO-3 the master rows are the parameters; see the module docstring); False: the
+            ZeRO paper's accounting (16-bit params and gradients, separate fp32 masters).
         param_layouts, mesh: tensor-parallel layouts from the Plan; a Shard over an axis other
             than `dp_axis` divides that dim by the axis size.
     """
@@ -177,12 +190,19 @@ def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stag
         row = {"params": (shard if zero_stage == 3 else numel) * item}
         if p.requires_grad:
             g_item = (grad_dtype or p.dtype).itemsize
-            row["grads"] = (shard if zero_stage >= 2 else numel) * g_item
             n_opt = shard if zero_stage >= 1 else numel
             master = master_dtype is not None and master_dtype != p.dtype
-            row["master"] = n_opt * master_dtype.itemsize if master else 0
-            s_item = master_dtype.itemsize if master else item
-            row["optimizer"] = n_opt * opt.states * s_item + (4 if opt.step_tensor else 0)
+            m_item = master_dtype.itemsize if master else item
+            separate = master or separate_masters
+            row["master"] = n_opt * m_item if separate else 0
+            if separate and as_engine:
+                row["master_grads"] = n_opt * m_item
+                row["grads"] = (0 if zero_stage >= 2 else numel * g_item) + row["master_grads"]
+            else:
+                row["grads"] = (shard if zero_stage >= 2 else numel) * g_item
+            row["optimizer"] = n_opt * opt.states * m_item + (4 if opt.step_tensor else 0)
+            if separate and as_engine and zero_stage == 3:  # the engine's shard is the master
+                row["params"], row["master"] = shard * m_item, 0
         for k, v in row.items():
             setattr(out, k, getattr(out, k) + v)
         out.per_param[p.name] = row
