@@ -1,3 +1,3 @@
-from autopar.cli import main
+from autopar.tools.cli import main
 import sys
 sys.exit(main())

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one(name: str, world: int, hardware: str, show_plan: bool, dump_root: str | None) -> None:
-    from autopar.zoo_check import plan_real
+    from autopar.tools.zoo_check import plan_real
 
     r = plan_real(name, world_size=world, hardware=hardware,
                   dump_dir=os.path.join(dump_root, name) if dump_root else None)

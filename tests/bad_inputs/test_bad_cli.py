@@ -16,10 +16,10 @@ import textwrap
 
 import pytest
 
-from autopar.cli import main
-from autopar.model_source import resolve
+from autopar.tools.cli import main
+from autopar.tools.model_source import resolve
 from autopar.passes.plan import Plan
-from autopar.planning import capture_meta
+from autopar.tools.planning import capture_meta
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import json
 import pytest
 
 from autopar.build.plan_check import PlanMismatchError, axis_notes, check_plan_against_graph, stamp
-from autopar.model_source import resolve
+from autopar.tools.model_source import resolve
 from autopar.passes.plan import Plan, PlanFormatError
-from autopar.planning import capture_meta
+from autopar.tools.planning import capture_meta
 from autopar.runtime.placement import Layout, R, S
 
 

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from autopar.cli import main
+from autopar.tools.cli import main
 from autopar.cost import load_profile
 from autopar.passes.plan import Plan
 

@@ -83,9 +83,9 @@ def _api_paths(rank: int, ws: int, tmp: str):
 
 
 def _worker_paths(rank: int, ws: int, tmp: str):
-    from autopar import worker
-    from autopar.microbench import run_collective
-    from autopar.model_source import resolve
+    from autopar.tools import worker
+    from autopar.tools.microbench import run_collective
+    from autopar.tools.model_source import resolve
     from autopar.passes.plan import Plan
     from autopar.runtime.mesh import Mesh
     from device_guard import DeviceGuard
@@ -119,8 +119,8 @@ def test_parallelize_step_optimizer_checkpoint_and_export_send_no_host_tensor_ov
 
 
 def test_the_tune_and_run_worker_send_host_values_over_the_host_group_only(tmp_path):
-    from autopar.model_source import resolve
-    from autopar.planning import materialise, plan_model
+    from autopar.tools.model_source import resolve
+    from autopar.tools.planning import materialise, plan_model
 
     # the plan the worker runs, made as `autopar plan --mesh dp=2 --out plan.json` makes it
     planned = plan_model(resolve(MODEL), mesh={"dp": 2}, hardware="cpu-gloo", batch=BATCH, seq=SEQ)
@@ -158,7 +158,7 @@ def test_the_guard_rejects_a_host_tensor_on_the_default_group_and_accepts_the_ho
 
 def _mesh_device_with_a_gpu_visible(rank: int, ws: int):
     import autopar
-    from autopar import worker
+    from autopar.tools import worker
 
     torch.cuda.is_available = lambda: True  # as on the GPU machine; this forked rank only
     return autopar.mesh(dp=ws).device_type, worker._device()

@@ -1,4 +1,4 @@
-"""The model zoo's coverage matrix, a test per row (autopar.models.zoo, autopar.zoo_check).
+"""The model zoo's coverage matrix, a test per row (autopar.models.zoo, autopar.tools.zoo_check).
 
 Each row is a transformers (or timm) model built from a small config with random weights, as
 a user brings it: capture -> plan -> run on gloo (4 processes) under each of the row's meshes
@@ -6,7 +6,7 @@ a user brings it: capture -> plan -> run on gloo (4 processes) under each of the
 each against one process with the same seed and batches, and each also from a meta build
 (every rank materializing only its part) in the same world: the loss of every step, the global
 gradient norm of the first step and every parameter and buffer after 3 AdamW steps, with the
-tolerances in autopar/zoo_check.py (fp32: loss 1e-5, gradient norm 1e-5 relative, parameters
+tolerances in autopar/tools/zoo_check.py (fp32: loss 1e-5, gradient norm 1e-5 relative, parameters
 1e-4; the ResNet rows and the breadth rows run in fp64: 1e-6, 1e-9, 1e-6). Each mesh must also print its plan and
 write its graph dump. Llama and BERT also train from a keyword batch with `labels` on the
 model's own loss, as transformers users write it.
@@ -20,7 +20,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")  # imported before the worlds fork
 
-from autopar import zoo_check  # noqa: E402
+from autopar.tools import zoo_check  # noqa: E402
 from autopar.models import zoo  # noqa: E402
 
 DUMP_FILES = {"plan.json", "graph_captured.py", "report.txt", "passes.json", "rank0_program.py"}

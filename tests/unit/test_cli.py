@@ -22,7 +22,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from autopar.cli import main
+from autopar.tools.cli import main
 from autopar.passes.plan import Plan
 from autopar.runtime.schedules import Schedule
 
@@ -258,7 +258,7 @@ def test_run_dry_run_prints_the_torchrun_command(tmp_path, capsys):
     rc = main(["run", "gpt-tiny", "--plan", str(tmp_path / "plan.json"), "--dry-run", "--job-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "--nproc-per-node=2" in out and "-m autopar.worker" in out
+    assert "--nproc-per-node=2" in out and "-m autopar.tools.worker" in out
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["kind"] == "train" and job["model"] == "gpt-tiny" and job["batch"] % 2 == 0
 

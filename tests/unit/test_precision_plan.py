@@ -109,7 +109,7 @@ def test_predicted_model_state_bytes_follow_the_plan_precision(zero):
 
 
 def test_cli_run_pins_the_precision_into_the_plan_the_ranks_read(tmp_path, capsys):
-    from autopar.cli import main
+    from autopar.tools.cli import main
 
     plan_file, script = tmp_path / "plan.json", tmp_path / "train.py"
     plan_file.write_text(Plan(mesh={"dp": 2}, zero_stage=1).to_json())

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from autopar.planning import PlanResult
+from autopar.tools.planning import PlanResult
 
 
 def _ms(s: Any) -> str:

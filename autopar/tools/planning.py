@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from autopar.capture import capture
 from autopar.cost import Estimate, Hardware, analyze, estimate, load_profile
-from autopar.model_source import ModelSource
+from autopar.tools.model_source import ModelSource
 from autopar.passes.expert import expert
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
@@ -164,7 +164,7 @@ def check_plan_fits(model_text: str, plan: Plan, batch: int, seq: int | None, sm
     and size it gives; its fingerprint): a ValueError naming what does not fit, before any
     process starts. `small_seq`: with no `seq`, capture at the length `verify` runs at."""
     from autopar.build.plan_check import check_plan_against_graph  # noqa: PLC0415
-    from autopar.model_source import resolve  # noqa: PLC0415
+    from autopar.tools.model_source import resolve  # noqa: PLC0415
 
     source = resolve(model_text)
     if seq is None and small_seq and source.default_seq:
@@ -177,7 +177,7 @@ def check_mesh_for_model(model_text: str, mesh: Mapping[str, int], batch: int | 
     """Capture the model on meta and check that the fixed `mesh` can split it
     (`plan_check.check_mesh_fits`) and `batch` (dp x ep); returns the batch (a default that
     splits when None). ValueError naming what does not fit."""
-    from autopar.model_source import resolve  # noqa: PLC0415
+    from autopar.tools.model_source import resolve  # noqa: PLC0415
 
     k = mesh.get("dp", 1) * mesh.get("ep", 1)
     if batch is not None and batch % k:

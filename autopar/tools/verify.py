@@ -73,7 +73,7 @@ def small_batch(plan: Plan, wanted: int | None) -> int:
 def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: int | None, steps: int,
           weights: str | None = None):
     import autopar
-    from autopar.model_source import resolve
+    from autopar.tools.model_source import resolve
 
     src = resolve(model_text)
     plan = Plan.from_json(plan_json)
@@ -98,7 +98,7 @@ def _rank(rank: int, ws: int, model_text: str, plan_json: str, batch: int, seq: 
 
 
 def _reference(model_text: str, batch: int, seq: int | None, steps: int, weights: str | None = None):
-    from autopar.model_source import resolve
+    from autopar.tools.model_source import resolve
 
     src = resolve(model_text)
     torch.manual_seed(0)
@@ -125,7 +125,7 @@ def verify(model_text: str, plan: Plan, *, batch: int | None = None, seq: int | 
     """Run `plan` against one process (see the module docstring)."""
     import time
 
-    from autopar.model_source import resolve
+    from autopar.tools.model_source import resolve
     from autopar.runtime.launch import run_world
 
     src = resolve(model_text)

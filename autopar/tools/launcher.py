@@ -3,7 +3,7 @@ Slurm batch script for several nodes.
 
   torchrun_command(nproc, target)   the torchrun command line (`python -m torch.distributed.run
                                     --standalone --nproc-per-node N ...`)
-  launch_job(job, nproc, ...)       run an `autopar.worker` job under torchrun (or forked), follow
+  launch_job(job, nproc, ...)       run an `autopar.tools.worker` job under torchrun (or forked), follow
                                     its progress events, raise LaunchError with the log's tail
   run_command(cmd, env)             run a command, its output passed through; returns its code
   slurm_script(...)                 the text of an sbatch script that runs torchrun on every node
@@ -65,7 +65,7 @@ def _follow(progress: Path, pos: int, on_event: Callable[[dict], None] | None) -
 
 def launch_job(job: dict[str, Any], nproc: int, *, job_path: Path, log_path: Path, launcher: str = "torchrun",
                on_event: Callable[[dict], None] | None = None, timeout_s: float = 3600.0) -> None:
-    """Run `job` (an `autopar.worker` job, written to `job_path`) on `nproc` local ranks."""
+    """Run `job` (an `autopar.tools.worker` job, written to `job_path`) on `nproc` local ranks."""
     job_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     job_path.write_text(json.dumps(job, indent=2) + "\n")
@@ -73,7 +73,7 @@ def launch_job(job: dict[str, Any], nproc: int, *, job_path: Path, log_path: Pat
     pos = progress.stat().st_size if progress is not None and progress.exists() else 0
     if launcher == "fork":
         from autopar.runtime.launch import WorldError, run_world
-        from autopar.worker import forked
+        from autopar.tools.worker import forked
 
         try:
             run_world(nproc, forked, job, timeout_s=timeout_s, collective_timeout_s=float(job.get("timeout_s", 300)))
@@ -86,7 +86,7 @@ def launch_job(job: dict[str, Any], nproc: int, *, job_path: Path, log_path: Pat
         return
     if launcher != "torchrun":
         raise ValueError(f"unknown launcher {launcher!r}; use torchrun or fork")
-    cmd = torchrun_command(nproc, ["-m", "autopar.worker", str(job_path)])
+    cmd = torchrun_command(nproc, ["-m", "autopar.tools.worker", str(job_path)])
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()

@@ -4,7 +4,7 @@ real, keep the fastest, and say how far the cost model was from what was measure
 Phases (each leaves files in the output folder; a rerun with the same arguments skips what is
 done, so an interrupted tune resumes; `fresh=True` starts over):
 
-  1. bench      (launched world, `autopar.worker` "bench")  bench/compute.json: matmul over
+  1. bench      (launched world, `autopar.tools.worker` "bench")  bench/compute.json: matmul over
                 shapes and dtypes, causal attention, elementwise and copy over sizes, kernel
                 launch overhead, measured on every rank at once; bench/coll_*.json: each
                 collective on each mesh axis over message sizes
@@ -13,7 +13,7 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
                 bandwidth, least squares on the alpha-beta formula of `autopar.cost.comm`) and
                 kernel overhead replaced by what was measured
   3. plan       candidates/c*.json: the best `top` plans under the fitted profile
-                (`autopar.planning.plan_model`)
+                (`autopar.tools.planning.plan_model`)
   4. run        (launched world, "candidates") runs/c*.json: each plan for warm-up + timed
                 steps: step time (each step's slowest rank, the median of the timed steps; on
                 CPU every plan is built first and the timed steps go round-robin over the plans,
@@ -45,7 +45,7 @@ import numpy as np
 from autopar.cost import Hardware, load_profile
 from autopar.cost.comm import axis_links, bytes_sent, steps as comm_steps
 from autopar.cost.hardware import from_dict
-from autopar.microbench import COLLECTIVE_OPS, default_message_sizes, predicted_seconds
+from autopar.tools.microbench import COLLECTIVE_OPS, default_message_sizes, predicted_seconds
 from autopar.passes.plan import Plan
 
 STATE = "tune_state.json"
@@ -196,7 +196,7 @@ class Repredictor:
 
     def __call__(self, plan: Plan, hw: Hardware) -> dict[str, Any]:
         from autopar.cost import analyze
-        from autopar.planning import predict, rank_graph, stage_plan
+        from autopar.tools.planning import predict, rank_graph, stage_plan
 
         p = Plan.from_json(plan.to_json())
         if p.mesh.get("pp", 1) > 1:
@@ -251,9 +251,9 @@ def _load_json(path: Path) -> Any:
 def tune(cfg: TuneConfig, *, fresh: bool = False, say: Callable[[str], None] = print,
          event: Callable[[dict], None] | None = None) -> TuneResult:
     """Run (or resume) the tune described by `cfg` (see the module docstring)."""
-    from autopar.launcher import launch_job
-    from autopar.model_source import resolve
-    from autopar.planning import capture_meta, default_batch, plan_model
+    from autopar.tools.launcher import launch_job
+    from autopar.tools.model_source import resolve
+    from autopar.tools.planning import capture_meta, default_batch, plan_model
 
     out = Path(cfg.out)
     if fresh and out.exists():
@@ -280,7 +280,7 @@ def tune(cfg: TuneConfig, *, fresh: bool = False, say: Callable[[str], None] = p
     progress = str(out / "progress.jsonl")
 
     # 1. bench ---------------------------------------------------------------------------
-    from autopar.worker import coll_file
+    from autopar.tools.worker import coll_file
 
     if cfg.mesh:
         bench_meshes = [dict(cfg.mesh)]
@@ -318,7 +318,7 @@ def tune(cfg: TuneConfig, *, fresh: bool = False, say: Callable[[str], None] = p
         res = plan_model(source, mesh=cfg.mesh, world_size=None if cfg.mesh else cfg.world, hardware=fitted,
                          batch=cfg.batch, seq=cfg.seq, top=cfg.top, global_gm=gm,
                          step=lambda m: event({"task": "plan", "desc": m}))
-        from autopar.planning import materialise
+        from autopar.tools.planning import materialise
 
         plans = [materialise(res, i) for i in range(min(cfg.top, len(res.candidates)))]
         cand_dir.mkdir(parents=True, exist_ok=True)
@@ -352,7 +352,7 @@ def tune(cfg: TuneConfig, *, fresh: bool = False, say: Callable[[str], None] = p
             launch_job(job, cfg.world, job_path=out / "jobs" / "candidates.json", log_path=out / "logs" / "runs.log",
                        launcher=cfg.launcher, on_event=on_event, timeout_s=cfg.timeout_s)
         except Exception as e:  # noqa: BLE001 - the world died: blame the plan it was running, go on
-            from autopar.launcher import LaunchError
+            from autopar.tools.launcher import LaunchError
 
             if not isinstance(e, LaunchError):
                 raise

@@ -1,4 +1,4 @@
-"""What a launched rank runs for the command line: `python -m autopar.worker job.json` under
+"""What a launched rank runs for the command line: `python -m autopar.tools.worker job.json` under
 torchrun (or `run_job(job)` inside a forked gloo world).
 
 A job is a JSON file, one of:
@@ -103,7 +103,7 @@ def coll_file(out: Path, mesh: dict[str, int], axis: str, op: str) -> Path:
 
 
 def bench(job: dict[str, Any]) -> None:
-    from autopar.microbench import COLLECTIVE_OPS, compute_suite, run_collective, run_compute
+    from autopar.tools.microbench import COLLECTIVE_OPS, compute_suite, run_collective, run_compute
     from autopar.runtime.mesh import Mesh
 
     out, ev = Path(job["out"]), Events(job.get("progress"))
@@ -319,7 +319,7 @@ def candidates(job: dict[str, Any]) -> None:
     every plan is built first and the timed steps go round-robin over the plans, so that each
     plan's steps meet the same load; otherwise (GPUs: one plan's memory at a time) plan after
     plan."""
-    from autopar.model_source import resolve
+    from autopar.tools.model_source import resolve
     from autopar.passes.plan import Plan
 
     out, ev = Path(job["out"]), Events(job.get("progress"))
@@ -390,7 +390,7 @@ def candidates(job: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------ train (autopar run)
 def train(job: dict[str, Any]) -> None:
-    from autopar.model_source import resolve
+    from autopar.tools.model_source import resolve
     from autopar.passes.plan import Plan
 
     device = _device()
@@ -433,7 +433,7 @@ def forked(rank: int, world_size: int, job: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: torchrun ... -m autopar.worker JOB.json", file=sys.stderr)
+        print("usage: torchrun ... -m autopar.tools.worker JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
     from autopar.runtime.launch import init_job_process_group

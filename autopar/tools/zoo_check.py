@@ -242,9 +242,9 @@ def plan_real(name: str, *, world_size: int = 64, hardware: str = "h100-64", top
     """Capture the row at its published size on meta and plan it for `world_size` devices; with
     `dump_dir`, also lower the plan (rank 0's passes, the pipeline split) and write its dump, which
     shows that the plan is one the passes can carry out."""
-    from autopar.model_source import ModelSource  # noqa: PLC0415
-    from autopar.plan_view import plan_text  # noqa: PLC0415
-    from autopar.planning import plan_model  # noqa: PLC0415
+    from autopar.tools.model_source import ModelSource  # noqa: PLC0415
+    from autopar.tools.plan_view import plan_text  # noqa: PLC0415
+    from autopar.tools.planning import plan_model  # noqa: PLC0415
 
     row = zoo.get(name)
     sp = zoo.spec(name, "real")
@@ -256,7 +256,7 @@ def plan_real(name: str, *, world_size: int = 64, hardware: str = "h100-64", top
     best = r.best
     dump_s = 0.0
     if dump_dir:
-        from autopar.plan_dump import write_dump  # noqa: PLC0415
+        from autopar.tools.plan_dump import write_dump  # noqa: PLC0415
 
         t0 = time.perf_counter()
         write_dump(r, dump_dir, top=top)

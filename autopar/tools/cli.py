@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 
-from autopar.demo import cmd_demo
+from autopar.tools.demo import cmd_demo
 
 
 def cmd_capture(a) -> int:
@@ -163,7 +163,7 @@ def _positive(name: str, v: int | None) -> None:
 
 
 def _mesh_args(a) -> tuple[dict | None, int | None]:
-    from autopar.planning import parse_mesh
+    from autopar.tools.planning import parse_mesh
 
     if a.mesh:
         return parse_mesh(a.mesh), None
@@ -172,8 +172,8 @@ def _mesh_args(a) -> tuple[dict | None, int | None]:
 
 
 def _plan_result(a, prog: Progress):
-    from autopar.model_source import resolve
-    from autopar.planning import plan_model
+    from autopar.tools.model_source import resolve
+    from autopar.tools.planning import plan_model
 
     mesh, world = _mesh_args(a)
     _positive("--batch", a.batch)
@@ -189,8 +189,8 @@ def _plan_result(a, prog: Progress):
 def cmd_plan(a) -> int:
     import json
 
-    from autopar.planning import _jsonable
-    from autopar.plan_view import plan_text
+    from autopar.tools.planning import _jsonable
+    from autopar.tools.plan_view import plan_text
 
     with Progress(not a.no_progress and not a.json) as prog:
         r = _plan_result(a, prog)
@@ -208,8 +208,8 @@ def cmd_plan(a) -> int:
 
 # ------------------------------------------------------------------------ dump
 def cmd_dump(a) -> int:
-    from autopar.plan_dump import write_dump
-    from autopar.plan_view import plan_text
+    from autopar.tools.plan_dump import write_dump
+    from autopar.tools.plan_view import plan_text
 
     with Progress(not a.no_progress) as prog:
         r = _plan_result(a, prog)
@@ -223,8 +223,8 @@ def cmd_dump(a) -> int:
 
 # ------------------------------------------------------------------------ tune
 def cmd_tune(a) -> int:
-    from autopar.planning import parse_mesh
-    from autopar.tune import TuneConfig, tune
+    from autopar.tools.planning import parse_mesh
+    from autopar.tools.tune import TuneConfig, tune
 
     mesh = parse_mesh(a.mesh) if a.mesh else None
     _positive("--world-size", a.world_size)
@@ -245,7 +245,7 @@ def cmd_tune(a) -> int:
         raise ValueError(f"--sizes {a.sizes!r}: message sizes must be >= 1 byte")
     batch = a.batch
     if mesh:  # before any process starts or any file is written: the mesh must fit the model
-        from autopar.planning import check_mesh_for_model  # noqa: PLC0415
+        from autopar.tools.planning import check_mesh_for_model  # noqa: PLC0415
 
         batch = check_mesh_for_model(a.model, mesh, batch, a.seq)
     cfg = TuneConfig(model=a.model, out=a.out, hardware=hardware, mesh=mesh, world_size=a.world_size,
@@ -281,7 +281,7 @@ def cmd_run(a) -> int:
     import shlex
     import tempfile
 
-    from autopar.launcher import rank_env, run_command, slurm_script, torchrun_command
+    from autopar.tools.launcher import rank_env, run_command, slurm_script, torchrun_command
     from autopar.passes.plan import Plan
 
     if a.plan is None and (a.precision or a.offload):
@@ -318,7 +318,7 @@ def cmd_run(a) -> int:
     else:
         for n in ("steps", "batch", "seq"):
             _positive(f"--{n}", getattr(a, n))
-        from autopar.planning import batch_split, check_batch_split, check_plan_fits  # noqa: PLC0415
+        from autopar.tools.planning import batch_split, check_batch_split, check_plan_fits  # noqa: PLC0415
 
         batch = a.batch or cli.get("batch") or (max(8, batch_split(plan)) if plan else max(8, world))
         seq = a.seq if a.seq is not None else cli.get("seq")
@@ -335,7 +335,7 @@ def cmd_run(a) -> int:
         job_path = os.path.abspath(os.path.join(job_dir, "job.json"))
         with open(job_path, "w") as f:
             json.dump(job, f, indent=2)
-        target = ["-m", "autopar.worker", job_path]
+        target = ["-m", "autopar.tools.worker", job_path]
         what = f"{a.target} for {a.steps} steps, global batch {job['batch']}"
     env = {"AUTOPAR_PLAN": plan_path} if plan_path else {}
     if a.slurm:
@@ -376,7 +376,7 @@ def cmd_verify(a) -> int:
     import json
 
     from autopar.passes.plan import Plan
-    from autopar.verify import LOSS_ATOL, LOSS_RTOL, PARAM_TOL, verify
+    from autopar.tools.verify import LOSS_ATOL, LOSS_RTOL, PARAM_TOL, verify
 
     if a.plan:
         if a.mesh or a.world_size:
@@ -386,8 +386,8 @@ def cmd_verify(a) -> int:
         plan = Plan.load(a.plan)
         source = f"plan {a.plan}"
         if a.max_procs >= plan.world_size:  # (verify refuses larger plans itself, before any capture)
-            from autopar.planning import check_plan_fits  # noqa: PLC0415
-            from autopar.verify import small_batch  # noqa: PLC0415
+            from autopar.tools.planning import check_plan_fits  # noqa: PLC0415
+            from autopar.tools.verify import small_batch  # noqa: PLC0415
 
             check_plan_fits(a.model, plan, small_batch(plan, a.batch), a.seq, small_seq=True)
     elif a.mesh or a.world_size:
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd is None:
         a = parser.parse_args(["demo", *argv])
     from autopar.capture import CaptureError
-    from autopar.launcher import LaunchError
+    from autopar.tools.launcher import LaunchError
     from autopar.runtime.launch import WorldError
 
     try:

@@ -3,7 +3,7 @@
   plan.json             the chosen Plan (editable; `autopar run --plan` and `verify` read it)
   plan_report.json      predictions and the ranked alternatives (machine-readable)
   report.txt            the tables `autopar plan` prints
-  report.html           one self-contained page (autopar.html_report): graph with placements,
+  report.html           one self-contained page (autopar.tools.html_report): graph with placements,
                         stage map, recompute and fusion decisions, memory per rank, Gantt chart
   estimate.json         rank 0's cost-model estimate (per layer, per collective)
   graph_captured.py     the captured global graph
@@ -27,15 +27,15 @@ from typing import Callable
 import torch.fx as fx
 
 from autopar.cost import analyze, estimate
-from autopar.gantt import gantt_svg
-from autopar.html_report import ReportInput, render_html
+from autopar.tools.gantt import gantt_svg
+from autopar.tools.html_report import ReportInput, render_html
 from autopar.passes.dump import graph_text, write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import pipeline_units, split_pipeline
 from autopar.pipeline_build import pipeline_shape, write_schedule_svg
-from autopar.planning import PlanResult, _jsonable, rank_graph
-from autopar.plan_view import mesh_text, plan_text
+from autopar.tools.planning import PlanResult, _jsonable, rank_graph
+from autopar.tools.plan_view import mesh_text, plan_text
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.schedules import make_schedule, simulate
 
@@ -62,7 +62,7 @@ def write_dump(result: PlanResult, out_dir: str, *, all_ranks: bool = False, top
     plan, hw, gm = result.best.plan, result.hardware, result.global_gm
     files: list[str] = []
     if plan.mesh.get("pp", 1) > 1 and not plan.extra.get("pipeline"):
-        from autopar.planning import stage_plan  # the joint planner keeps no schedule data: evaluate its split
+        from autopar.tools.planning import stage_plan  # the joint planner keeps no schedule data: evaluate its split
 
         stage_plan(plan, gm, hw)
 
