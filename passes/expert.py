@@ -297,6 +297,21 @@ def _is_inplace(n: fx.Node) -> bool:
     return len(parts) >= 2 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_")
 
 
+# ops whose output aliases their first argument: an in-place write into one writes its base
+_ALIASING = ("aten.slice", "aten.select", "aten.narrow", "aten.view", "aten.as_strided", "aten.transpose",
+             "aten.t", "aten.permute", "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.alias",
+             "aten.diagonal", "aten.unflatten", "aten._reshape_alias")
+
+
+def _view_base(n: fx.Node) -> fx.Node:
+    """The tensor a view chain starts from (DeepSeek-V3's attention writes key_states through
+    slices of a new_empty: those copy_ nodes live while the new_empty does)."""
+    while n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) and \
+            ".".join(op_name(n.target).split(".")[:2]) in _ALIASING:
+        n = n.args[0]
+    return n
+
+
 def _dce(gm: fx.GraphModule) -> None:
     """Remove nodes nothing live needs. Roots: the output and side-effecting autopar ops; an
     assert or in-place op lives while the tensor it checks or writes lives."""
@@ -323,7 +338,7 @@ def _dce(gm: fx.GraphModule) -> None:
             if n in live or n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
                 continue
             name = op_name(n.target)
-            if (name.startswith("aten._assert_tensor_metadata") or _is_inplace(n)) and n.args[0] in live:
+            if (name.startswith("aten._assert_tensor_metadata") or _is_inplace(n)) and _view_base(n.args[0]) in live:
                 mark(n)
                 changed = True
     for n in reversed(list(g.nodes)):

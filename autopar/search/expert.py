@@ -37,7 +37,7 @@ from autopar.cost.hardware import load_profile
 
 # detection lives in expert_detect; its public names are re-exported for importers of this module
 from autopar.search.expert_detect import (MoEBlock, MoEDetectError, MoEGraph, detect_moe,  # noqa: F401
-                                          dtype_itemsize, router_stats)
+                                          dtype_itemsize, no_moe_reasons, router_stats)
 
 
 # --- cost ----------------------------------------------------------------------------------
@@ -182,8 +182,15 @@ def plan_experts(global_gm: fx.GraphModule, mesh, *, ep_axis: str = "ep", dp_axi
     blocks = detect_moe(global_gm)
     if not blocks:
         if ep > 1:
-            raise ValueError(f"the mesh has {ep_axis}={ep} but the model has no mixture-of-experts block (no top-k "
-                             "router feeding an expert dispatch); use a mesh without the ep axis")
+            reasons = no_moe_reasons(global_gm)
+            if not reasons:
+                raise ValueError(f"the mesh has {ep_axis}={ep} but the model has no mixture-of-experts block (no "
+                                 "top-k in the graph); use a mesh without the ep axis")
+            raise ValueError(f"the mesh has {ep_axis}={ep} but no top-k of the model is a mixture-of-experts router "
+                             "feeding an expert dispatch, so it has no mixture-of-experts block:\n  "
+                             + "\n  ".join(reasons) + "\nWhat to do: keep the routing module opaque with "
+                             "autopar.capture(..., leaf_modules=[...]) (it then runs replicated), or use a mesh "
+                             "without the ep axis (give those ranks to dp or tp)")
         return {}
     for b in blocks:
         if b.n_experts % ep:

@@ -3,9 +3,10 @@
 
 Detection works on the graph's structure (ATen ops and data flow), never on class names:
 
-* a *router* is an `aten.topk` over the last dim of (softmax / sigmoid / casts of) a linear
-  map of token rows x (N, D) by a weight (E, D); its indices (N, K) route assignment
-  a = n * K + k to an expert;
+* a *router* is an `aten.topk` over the last dim of token scores (N, E) computed from a
+  linear map of token rows x (N, D) by a parameter weight (E, D), whatever lies between
+  (softmax or sigmoid, a correction bias, a group-limited mask from a top-k over groups:
+  `search/expert_props.py`); its indices (N, K) route assignment a = n * K + k to an expert;
 * the *index set* I of a router is everything computed from the indices alone (positions,
   slots, permutations, counts, capacity masks);
 * a *dispatch* is an indexing op whose index is in I and whose data is not: a scatter of
@@ -18,8 +19,9 @@ Detection works on the graph's structure (ATen ops and data flow), never on clas
 * the *experts* are the nodes between dispatch and combine: per expert (slots: from
   `select(buffer, 0, e)` to the e-th input of a `stack`) or grouped (sorted: row-wise ops and
   grouped matmuls over parameters with a leading expert dim, with group offsets computed in I).
-  Every expert op must be row-wise (no op mixes rows), which is what lets the experts run on
-  any number of rows. One exception, recorded as `identity_fills`: a `masked_fill` whose mask
+  Every expert op must be row-wise by its sharding rule (`expert_props.row_wise_failure`:
+  the rule table has S(0) on the rows -> S(0)), which is what lets the experts run on any
+  number of rows. One exception, recorded as `identity_fills`: a `masked_fill` whose mask
   is `expert id >= n_experts` (transformers 5.17's sentinel rows for expert-parallel padding,
   Mixtral / Qwen2-MoE grouped experts). No top-k index over n_experts sets it, so the fill is
   the identity, and the pass drops it (its mask has the global row count, not a rank's);
@@ -32,13 +34,15 @@ Detection works on the graph's structure (ATen ops and data flow), never on clas
 
 The result for a block is plain JSON keyed by stable node keys (`passes.ir.node_keys`).
 
-API: `detect_moe(gm) -> [MoEBlock]`, `router_stats(gm, blocks) -> [node key]`; both are
-re-exported by `autopar.search.expert`. `MoEGraph` (the indexed graph the detector walks) and
+API: `detect_moe(gm) -> [MoEBlock]`, `router_stats(gm, blocks) -> [node key]`,
+`no_moe_reasons(gm) -> [str]` (why each top-k is not a block); all are re-exported by
+`autopar.search.expert`. `MoEGraph` (the indexed graph the detector walks) and
 `dtype_itemsize` serve `search/expert.py` too.
 
 Guarantees: a dense model gives no blocks; a router that leads to a dispatch this module
 cannot take apart (an expert op that mixes rows, an unknown index pattern) raises
-`MoEDetectError` (a ValueError) naming the node.
+`MoEDetectError` (a ValueError) naming the node, and for a row-mixing op the rule that
+failed and what to do.
 
 Reads node.meta["autopar"] (shapes, modules) and node.meta["val"]; writes nothing on nodes.
 """
@@ -54,34 +58,17 @@ import torch.fx as fx
 
 from autopar.passes import ir
 from autopar.passes.rules.sharding import op_name
+from autopar.search.expert_props import base_name as _base
+from autopar.search.expert_props import find_router, param_of, router_failure, row_wise_failure
 
 VIEWLIKE = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.expand", "aten.slice",
             "aten.clone", "aten.contiguous", "aten.alias", "aten.to", "aten._to_copy", "aten.flatten"}
-ROUTER_UNARY = {"aten.softmax", "aten._softmax", "aten.sigmoid", "aten.log_softmax", "aten.to", "aten._to_copy",
-                "aten.clone", "aten.contiguous", "aten.alias"}
-# ops that compute each output row from the same input row only (experts must be made of these)
-ROW_WISE = {"aten.linear", "aten.silu", "aten.gelu", "aten.relu", "aten.mul", "aten.add", "aten.sub", "aten.div",
-            "aten.neg", "aten.sigmoid", "aten.tanh", "aten.to", "aten._to_copy", "aten.clone", "aten.contiguous",
-            "aten.chunk", "aten.split", "operator.getitem", "aten.pow", "aten.dropout", "aten.alias", "aten.mm",
-            "aten.matmul", "aten.addmm", "aten.rms_norm", "aten.layer_norm", "aten._assert_tensor_metadata",
-            "transformers.grouped_mm_fallback", "aten._grouped_mm", "aten.grouped_mm", "aten.narrow",
-            "aten.slice", "aten.split_with_sizes", "aten.erf", "aten.exp", "aten.square", "aten.relu6"}
-SPLITS_DIM = {"aten.chunk": 2, "aten.split": 2, "aten.split_with_sizes": 2, "aten.narrow": 1, "aten.slice": 1}
 GROUPED = {"transformers.grouped_mm_fallback", "aten._grouped_mm", "aten.grouped_mm"}
 REDUCTIONS = {"aten.sum", "aten.mean", "aten.histc", "aten.bincount"}
 
 
 class MoEDetectError(ValueError):
     pass
-
-
-def _base(n: fx.Node) -> str:
-    """'aten.linear' for aten.linear.default (overload dropped)."""
-    if n.op != "call_function":
-        return n.op
-    name = op_name(n.target)
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] in ("aten", "transformers", "autopar", "prims") else name
 
 
 def _shape(n) -> tuple | None:
@@ -234,23 +221,8 @@ class MoEGraph:
 
 
 def _router(g: MoEGraph, t: fx.Node):
-    """(gate linear node, token rows node, E) if topk node `t` selects experts, else None."""
-    inp = t.args[0]
-    shape = _shape(inp)
-    if not shape or len(shape) != 2:
-        return None
-    dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim", -1)
-    if dim not in (-1, 1):
-        return None
-    m = inp
-    while isinstance(m, fx.Node) and _base(m) in ROUTER_UNARY:
-        m = m.args[0]
-    if not isinstance(m, fx.Node) or _base(m) != "aten.linear":
-        return None
-    w = m.args[1]
-    if not (isinstance(w, fx.Node) and w.op == "get_attr" and _shape(w) and _shape(w)[0] == shape[1]):
-        return None
-    return m, m.args[0], int(shape[1])
+    """(gate linear node, token rows node, E) if topk node `t` selects experts (expert_props)."""
+    return find_router(t)
 
 
 def _getitem(n: fx.Node, i: int) -> fx.Node | None:
@@ -319,29 +291,20 @@ def _identity_fills(region: set, idx: fx.Node, E: int) -> dict[fx.Node, fx.Node]
 
 
 def _check_row_wise(g: MoEGraph, region: set, starts: set, what: str, identity: set = frozenset()) -> None:
+    """Every op of `region` (rows entering at `starts`) is row-wise by its sharding rule
+    (`expert_props.row_wise_failure`), or grouped over experts, or an identity fill."""
     rows = region | starts
     for n in region:
         b = _base(n)
-        mixes = n.op == "call_function" and b not in ROW_WISE and n not in identity
-        if b in SPLITS_DIM:  # along the last dims only, never across rows (a full slice is a copy)
-            pos = SPLITS_DIM[b]
-            dim = n.args[pos] if len(n.args) > pos else n.kwargs.get("dim", 0)
-            full = b == "aten.slice" and (n.args[2:3] or [0])[0] in (0, None) and \
-                ((n.args[3:4] or [None])[0] is None or (n.args[3:4] or [0])[0] >= 2**62)
-            mixes |= dim % max(1, len(_shape(n.args[0]) or ())) == 0 and not full
-        if b in ("aten.unsqueeze", "aten.squeeze", "aten.transpose"):  # fine unless dim 0 moves
-            nd = len(_shape(n.args[0]) or ()) + (b == "aten.unsqueeze")
-            dims = [d for d in n.args[1:3] if isinstance(d, int)]
-            mixes = not dims or any(d % max(1, nd) == 0 for d in dims)
-        if b in ("aten.view", "aten.reshape"):  # (-1, trailing...) keeping the trailing size
-            sizes, ins = list(n.args[1]), _shape(n.args[0]) or ()
-            mixes = not (sizes and sizes[0] == -1 and all(isinstance(d, int) for d in sizes[1:]) and
-                         all(isinstance(d, int) for d in ins[1:]) and math.prod(sizes[1:]) == math.prod(ins[1:]))
-        if b in ("aten.mm", "aten.matmul"):  # rows times a weight, not a weight times rows
-            mixes |= n.args[1] in rows or n.args[0] not in rows
-        if mixes:
+        if n.op != "call_function":
+            continue
+        why = None if n in identity or b in GROUPED else row_wise_failure(n, rows)
+        if why is not None:
             raise MoEDetectError(f"{what}: {g.keys[n]} ({n.format_node()}) is not a row-wise op, so the experts "
-                                 "cannot run on a different number of rows; expert parallelism does not apply")
+                                 f"cannot run on a different number of rows: {why}. Expert parallelism does not "
+                                 "apply to this block; add a row-wise rule for the op (passes/rules/"
+                                 "sharding_table.py), or keep the expert module opaque with "
+                                 "autopar.capture(..., leaf_modules=[...]) and use a mesh without the ep axis")
         for a in list(n.args) + list(n.kwargs.values()):
             for x in (a if isinstance(a, (list, tuple)) else [a]):
                 if isinstance(x, fx.Node) and not _tensorish(x) and b not in ("aten._assert_tensor_metadata",):
@@ -391,7 +354,7 @@ def _detect_one(g: MoEGraph, t: fx.Node) -> MoEBlock | None:
         return None
     scatter = [d for d in disp if _base(d) == "aten.index_add"]
     common = dict(n_experts=E, top_k=K, router=g.keys[t], expert_index=g.keys[idx], combine=g.keys[comb],
-                  gate=str(lin.args[1].target), dtype=ir.info(comb).dtype or "float32")
+                  gate=str(param_of(lin.args[1]).target), dtype=ir.info(comb).dtype or "float32")
     if scatter:
         return _slots(g, t, idx, I, scatter[0], comb, N, common)
     return _sorted(g, t, idx, I, disp, comb, N, common)
@@ -541,6 +504,27 @@ def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
             b = _detect_one(g, n)
             if b is not None:
                 out.append(b)
+    return out
+
+
+def no_moe_reasons(gm: fx.GraphModule) -> list[str]:
+    """Why each top-k of a graph without MoE blocks is not one (for the error an ep mesh gets):
+    "<node key> (<node>): <reason>"; empty when the graph has no top-k at all."""
+    g = MoEGraph(gm)
+    out = []
+    for n in g.nodes:
+        if n.op != "call_function" or _base(n) != "aten.topk":
+            continue
+        r = _router(g, n)
+        if r is None:
+            why = f"not an expert router: {router_failure(n)}"
+        elif _getitem(n, 1) is None:
+            why = "its indices are unused"
+        else:
+            why = (f"scores {r[2]} candidates per token like a router (weight "
+                   f"{param_of(r[0].args[1]).target}), but its indices reach no dispatch (an index / "
+                   "index_select / index_add of token rows by them) followed by a combine of the expert outputs")
+        out.append(f"{g.keys[n]} ({n.format_node()}): {why}")
     return out
 
 

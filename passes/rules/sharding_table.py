@@ -198,8 +198,9 @@ def _slice(v: OpView):
     full = False
     if v.op == "aten.slice.Tensor":
         start, end, step = v.arg(2, "start", None), v.arg(3, "end", None), v.arg(4, "step", 1)
-        full = (start in (None, 0)) and (end is None or (isinstance(end, int) and isinstance(shape[dim], int)
-                                                         and end >= shape[dim])) and step == 1
+        # end >= 2**62 is export's "to the end" (sys.maxsize), a full slice of a symbolic dim too
+        full = (start in (None, 0)) and (end is None or (isinstance(end, int) and (
+            end >= 2**62 or isinstance(shape[dim], int) and end >= shape[dim]))) and step == 1
     skip = () if full else (dim,)
     return dim_map(v, [list(range(nd))], partial=[(PS,)], skip_out=skip)
 

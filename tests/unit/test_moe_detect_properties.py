@@ -1,0 +1,146 @@
+"""MoE detection by properties on small hand-written modules: a DeepSeek-V3-style router
+(sigmoid scores, per-expert correction bias, group-limited top-k, renormalised weights times
+a routed scaling factor, router z-loss) with shared experts (with and without their own gate)
+after a dense layer is a block; a clamping expert activation is row-wise because clamp's
+sharding rule says so; an op that mixes rows, or a top-k that is no router, gets an error
+naming the node, the rule and what to do. (ep parity of the same block: tests/dist/test_moe_families.py.)
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.search.expert import MoEDetectError, detect_moe, plan_experts
+from autopar.search.expert_props import row_wise_failure
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, D, H, clamp=False, mix_rows=False):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(D, H, bias=False), nn.Linear(D, H, bias=False), nn.Linear(H, D)
+        self.clamp, self.mix_rows = clamp, mix_rows
+
+    def forward(self, x):  # (rows, D)
+        g, u = self.gate(x), self.up(x)
+        if self.clamp:  # gpt-oss-style limits on the activation's inputs
+            g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+        h = F.silu(g) * u
+        if self.mix_rows:
+            h = torch.cumsum(h, 0)  # each row sums the rows before it
+        return self.down(h)
+
+
+class DeepSeekBlock(nn.Module):
+    """Sigmoid router with correction bias and group-limited top-k (G groups, the best TG of
+    them, then top-K experts inside), weights renormalised and scaled; shared experts beside
+    the routed ones; dropless slots dispatch (a loop over experts)."""
+
+    def __init__(self, D=16, E=8, K=2, G=4, TG=2, clamp=False, shared_gate=False, z_loss=False, mix_expert=None):
+        super().__init__()
+        self.E, self.K, self.G, self.TG, self.scale, self.z = E, K, G, TG, 2.5, z_loss
+        self.router = nn.Linear(D, E, bias=False)
+        self.register_buffer("correction", torch.linspace(-0.05, 0.05, E))
+        self.experts = nn.ModuleList(SwiGLU(D, 2 * D, clamp, mix_rows=e == mix_expert) for e in range(E))
+        self.shared = SwiGLU(D, 2 * D)
+        self.shared_gate = nn.Linear(D, 1, bias=False) if shared_gate else None
+
+    def forward(self, x):  # (N, D)
+        N, D = x.shape
+        E, K, G = self.E, self.K, self.G
+        logits = self.router(x)  # (N, E)
+        scores = logits.sigmoid()
+        choice = scores + self.correction
+        group = choice.view(N, G, E // G).topk(2, -1)[0].sum(-1)  # (N, G)
+        gmask = torch.zeros_like(group).scatter(1, group.topk(self.TG, -1)[1], 1.0)
+        smask = gmask.unsqueeze(-1).expand(N, G, E // G).reshape(N, E)
+        e = choice.masked_fill(smask == 0, float("-inf")).topk(K, -1)[1]  # (N, K)
+        w = scores.gather(1, e)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
+        onehot = (e.reshape(N * K, 1) == torch.arange(E)).long()
+        pos = (onehot.cumsum(0) - 1).gather(1, e.reshape(N * K, 1)).view(N, K)
+        slot = (e * N + pos).reshape(-1)
+        buf = x.new_zeros(E * N, D).index_add(0, slot, x[:, None].expand(N, K, D).reshape(N * K, D)).view(E, N, D)
+        out = torch.stack([f(buf[i]) for i, f in enumerate(self.experts)]).reshape(E * N, D)
+        y = (out.index_select(0, slot).view(N, K, D) * w[..., None]).sum(1)
+        s = self.shared(x)
+        y = y + (s * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else s)
+        if self.z:  # router z-loss, returned for the training loss to add (as transformers' aux losses are)
+            return y, torch.logsumexp(logits, -1).square().mean()
+        return y
+
+
+class DenseThenMoE(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.dense = SwiGLU(16, 32)  # a dense layer before the first MoE layer
+        self.moe = DeepSeekBlock(**kw)
+
+    def forward(self, x):
+        x = x + self.dense(x)
+        y = self.moe(x)
+        return (x + y[0], y[1]) if isinstance(y, tuple) else x + y
+
+
+def _capture(**kw):
+    torch.manual_seed(0)
+    return autopar.capture(DenseThenMoE(**kw), (torch.randn(6, 16),))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(shared_gate=True, z_loss=True), dict(clamp=True)],
+                         ids=["plain", "shared-gate-z-loss", "clamp"])
+def test_sigmoid_bias_group_topk_router_with_shared_experts_is_a_block(kw):
+    gm = _capture(**kw)
+    (b,) = detect_moe(gm)
+    assert (b.module, b.idiom, b.n_experts, b.top_k, b.hidden) == ("moe", "slots", 8, 2, 16)
+    assert b.gate == "moe.router.weight" and b.dropless
+    # the experts' weights, and neither the shared experts' nor the dense layer's
+    assert set(b.expert_params) == {f"moe.experts.{e}.{p}" for e in range(8)
+                                    for p in ("gate.weight", "up.weight", "down.weight", "down.bias")}
+    assert {b.expert_params[f"moe.experts.{e}.down.weight"] for e in range(8)} == set(range(8))
+    # the group top-k (over 4 groups) and the top-2 inside groups are not routers
+    topks = [n for n in gm.graph.nodes if "topk" in str(n.target)]
+    assert len(topks) == 3 and b.router.endswith("topk#2")
+
+
+def test_clamp_is_row_wise_by_its_rule_and_a_mean_over_rows_is_not():
+    gm = _capture(clamp=True)
+    clamps = [n for n in gm.graph.nodes if "clamp" in str(n.target)]
+    assert len(clamps) == 2 * 8 and all(row_wise_failure(n, set(n.all_input_nodes)) is None for n in clamps)
+    # the same probe on a reduction over rows names the rule that fails
+    torch.manual_seed(0)
+    m = autopar.capture(nn.Sequential(nn.Linear(4, 4)), (torch.randn(3, 4),))
+    lin = next(n for n in m.graph.nodes if "linear" in str(n.target))
+    assert row_wise_failure(lin, {lin.args[0]}) is None
+    assert "no strategy S(0)" in row_wise_failure(lin, {lin.args[0], lin.args[1]})  # rows times rows mixes
+
+
+def test_an_expert_op_that_mixes_rows_is_named_with_its_rule_and_what_to_do():
+    gm = _capture(mix_expert=3)
+    with pytest.raises(MoEDetectError) as err:
+        detect_moe(gm)
+    msg = str(err.value)
+    assert "expert 3" in msg and "cumsum" in msg and "not a row-wise op" in msg
+    assert "its rule for aten.cumsum.default has no strategy S(0)" in msg and "leaf_modules" in msg
+
+
+class TopkNoRouter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):  # keeps the 2 largest features of each row: a top-k, but over no experts
+        h = self.lin(x)
+        v, i = (h * h).topk(2, -1)
+        return h + torch.zeros_like(h).scatter(1, i, v)
+
+
+def test_an_ep_mesh_on_a_model_whose_topk_is_no_router_is_told_which_node_and_why():
+    torch.manual_seed(0)
+    gm = autopar.capture(TopkNoRouter(), (torch.randn(4, 8),))
+    assert detect_moe(gm) == []
+    with pytest.raises(ValueError) as err:
+        plan_experts(gm, {"ep": 2})
+    msg = str(err.value)
+    assert ":topk#0" in msg and "its indices reach no dispatch" in msg and "lin.weight" in msg
+    assert "topk" in msg and "leaf_modules" in msg and "mesh without the ep axis" in msg
