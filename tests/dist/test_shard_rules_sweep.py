@@ -129,7 +129,8 @@ def _run(gm, args):
     return out.detach(), [a.grad for a in ins]
 
 
-def _sweep(rank, ws, graphs):
+def _sweep(rank, ws):
+    graphs = _graphs()  # captured on each rank: a pickled GraphModule (fork-server worlds) loses node.meta
     mesh = make_mesh(tp=ws)
     C.set_active_mesh(mesh)
     done, failures, rules_seen = 0, [], set()
@@ -162,8 +163,7 @@ def _sweep(rank, ws, graphs):
 
 
 def test_every_rule_strategy_matches_one_process_on_gloo():
-    graphs = _graphs()
-    results = world(2, _sweep, graphs)
+    results = world(2, _sweep)
     done, failures, seen = results[0]
     assert not failures, "\n".join(failures)
     assert done > 150  # every strategy of every case ran
