@@ -285,7 +285,11 @@ def check_training(ctx: Ctx) -> None:
     _guard(ctx, "train", "torch.compile", lambda: eager(True))
     for name, opts in (("dp", {}), ("zero1", {"zero_stage": 1}), ("zero2", {"zero_stage": 2}),
                        ("zero3", {"zero_stage": 3}), ("fusions off", {"pins": {"fusions": []}}),
-                       ("recompute 0.5", {"memory_budget": 0.5})):
+                       ("recompute 0.5", {"memory_budget": 0.5}),
+                       # bf16 compute with fp32 masters on the GPU (the dry run passes the same path in fp32)
+                       ("zero3 " + ("fp32" if ctx.dry else "bf16-mixed"),
+                        {"zero_stage": 3, "precision": "fp32" if ctx.dry else "bf16-mixed"}),
+                       ("zero3 offload", {"zero_stage": 3, "offload": True})):
         _guard(ctx, "train", f"autopar {name}", lambda n=name, o=opts: autopar_row(n, **o))
     _guard(ctx, "train", "offload", offload_row)
 
@@ -327,6 +331,18 @@ def check_api(ctx: Ctx) -> None:
     ok &= on_device == [ctx.device.type]
     ctx.add("api", "save / load / export (ZeRO-3)", ok, f"loss after load {got:.6f} vs at save {want:.6f} (moved to "
             f"{moved:.6f}); {len(full)} tensors exported; parameters on {on_device}")
+
+    # the same weights into a model built on meta: each rank allocates only its part on the GPU
+    with torch.device("meta"):
+        meta_model = GPT(cfg)
+    pm2 = autopar.parallelize(meta_model, autopar.mesh(dp=1), example_inputs=data[0][0][0], zero_stage=3,
+                              weights=str(ck / "export.safetensors"))
+    with torch.no_grad():
+        from_meta = float(loss_fn(pm2(x), y))
+    devices = sorted({p.device.type for p in pm2.parameters()})
+    ok = abs(from_meta - got) <= 1e-5 * max(1.0, abs(got)) and devices == [ctx.device.type]
+    ctx.add("api", "meta build + weights= (ZeRO-3)", ok, f"loss {from_meta:.6f} vs the exported model's {got:.6f}; "
+            f"parameters on {devices}")
 
 
 # ------------------------------------------------------------------------ transformers Llama
