@@ -180,8 +180,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         precision: "fp32" | "bf16" (pure: parameters, gradients, optimizer states and gradient
             reduction all in that dtype; the model must already be in it) | "bf16-mixed" /
             "fp16-mixed" (16-bit compute, fp32 masters and optimizer states, fp32 gradient
-            reduction; fp16 with dynamic loss scaling). Default None: the model's own dtype,
-            pure: a bf16 model trains bf16 AdamW states with no fp32 masters. Written into the
+            reduction; fp16 with dynamic loss scaling). Default None: a model whose trained
+            parameters are all bf16 (fp16) trains "bf16-mixed" ("fp16-mixed"), as Megatron and
+            DeepSpeed do, unless the plan sets its precision fields; any other model trains in
+            its own dtype, pure. Pass precision="bf16" for pure bf16 AdamW. Written into the
             Plan's precision fields (`passes.plan.precision_fields`), which the engine and
             `plan.predicted` both read; pins / a given plan's fields are overridden by it.
         offload: True keeps masters and optimizer states in CPU memory and steps there
@@ -226,6 +228,11 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
         fusions_pinned = True  # so are the fusions (chosen by the planner)
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
+    if precision is None and plan.param_dtype is None and plan.master_dtype is None:
+        trained = {p.dtype for p in model.parameters() if p.is_floating_point() and p.requires_grad}
+        if trained in ({torch.bfloat16}, {torch.float16}):  # 16-bit weights: fp32 masters by default
+            default = "bf16-mixed" if trained == {torch.bfloat16} else "fp16-mixed"
+            precision_pins = {**precision_fields(default), **precision_pins}
     if precision_pins:
         plan = plan.pin(**precision_pins)
     precision_engine = precision_options(plan, {p.dtype for p in model.parameters() if p.is_floating_point()})

@@ -58,9 +58,10 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
 def precision_fields(precision: str | None, offload: bool | None = None) -> dict[str, Any]:
     """The Plan fields of a named precision recipe (and `offload` when given), to pin.
 
-    None leaves precision at the default: the model's own dtype, pure (no master copies,
-    optimizer states and gradient reduction in the parameters' dtype), which is what runs
-    without a precision. "bf16" / "fp32" are pure as well; "bf16-mixed" and "fp16-mixed"
+    None pins nothing: a plan without precision fields trains the model's own dtype, pure (no
+    master copies, optimizer states and gradient reduction in the parameters' dtype);
+    `autopar.parallelize` with precision=None pins "bf16-mixed" / "fp16-mixed" for a model
+    whose trained parameters are all bf16 / fp16. "bf16" / "fp32" are pure as well; "bf16-mixed" and "fp16-mixed"
     compute in 16 bits with fp32 masters, fp32 optimizer states and fp32 gradient reduction,
     "fp16-mixed" with dynamic loss scaling."""
     out: dict[str, Any] = {}

@@ -105,6 +105,16 @@ def _precision_world(rank, ws):
             out[("offload", zero)] = (losses_off, full_off)
     pm, losses, full = _train(rank, ws, "fp16-mixed", 2)
     out["fp16"] = (losses, full, pm.engine.loss_scale, pm.engine.last_step_skipped)
+    # a bf16 model without a precision trains bf16-mixed (fp32 masters); precision="bf16" keeps it pure
+    for asked in (None, "bf16"):
+        pm = autopar.parallelize(_model().to(torch.bfloat16), autopar.mesh(dp=ws),
+                                 example_inputs=torch.zeros(BATCH, 16, dtype=torch.bfloat16), precision=asked)
+        opt = autopar.optimizer(pm, torch.optim.AdamW, lr=LR)
+        x, y = _batches()[0]
+        loss = float(pm.step((x.to(torch.bfloat16), y), _loss))
+        opt.step()
+        masters = sorted({str(t.dtype) for g in opt.param_groups for t in g["params"]})
+        out[("bf16 model", asked)] = ((pm.plan.param_dtype, pm.plan.master_dtype), masters, loss)
     try:
         autopar.parallelize(_model(), autopar.mesh(dp=ws), example_inputs=torch.zeros(BATCH, 16), precision="bf16")
     except ValueError as e:
@@ -133,4 +143,8 @@ def test_bf16_mixed_under_every_zero_stage_and_fp16_mixed_match_the_hand_written
         assert scale == 2.0**16 and not skipped
         torch.testing.assert_close(losses, ref16_losses, rtol=LOSS_RTOL, atol=LOSS_ATOL)
         torch.testing.assert_close(full, ref16_params, rtol=P_RTOL, atol=P_ATOL)
+        fields, masters, loss = res[("bf16 model", None)]
+        assert fields == ("bf16", "fp32") and masters == ["torch.float32"] and loss == loss, (fields, masters, loss)
+        fields, masters, loss = res[("bf16 model", "bf16")]
+        assert fields == ("bf16", None) and masters == ["torch.bfloat16"] and loss == loss, (fields, masters, loss)
         assert "param_dtype 'bf16'" in res["pure_error"] and "'bf16-mixed'" in res["pure_error"]
