@@ -145,27 +145,33 @@ class FlatLayout:
 FIRST_BUCKET_MB = 1.0
 
 
-def make_buckets(params: Sequence[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
-    """Reverse registration order, about `bucket_mb` each, one dtype per bucket. As in DDP,
-    the first bucket (the first gradients backward produces) holds at most
-    min(1 MB, bucket_mb), so that communication starts early."""
+def group_in_buckets(items: Sequence, bucket_mb: float, nbytes, dtype) -> list[list]:
+    """`items` in reverse order, grouped about `bucket_mb` each (`nbytes(item)` bytes), one
+    `dtype(item)` per bucket. As in DDP, the first bucket (the first gradients backward
+    produces) holds at most min(1 MB, bucket_mb), so that communication starts early. The
+    runtime's buckets and the cost model's (cost/zero_comm.py) are both formed here."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     cap = int(min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
-    buckets: list[list[nn.Parameter]] = []
-    cur: list[nn.Parameter] = []
+    buckets: list[list] = []
+    cur: list = []
     size = 0
-    for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
-        if cur and (size + nbytes > cap or p.dtype != cur[0].dtype):
+    for p in reversed(list(items)):
+        nb = nbytes(p)
+        if cur and (size + nb > cap or dtype(p) != dtype(cur[0])):
             buckets.append(cur)
             cur, size = [], 0
             cap = int(bucket_mb * 2**20)
         cur.append(p)
-        size += nbytes
+        size += nb
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def make_buckets(params: Sequence[nn.Parameter], bucket_mb: float) -> list[list[nn.Parameter]]:
+    """The gradient buckets of `params` (see `group_in_buckets`)."""
+    return group_in_buckets(params, bucket_mb, lambda p: p.numel() * p.element_size(), lambda p: p.dtype)
 
 
 @dataclass

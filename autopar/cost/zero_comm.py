@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from typing import Mapping
 
-from autopar.runtime.zero_shard import FIRST_BUCKET_MB
+from autopar.runtime.zero_shard import FIRST_BUCKET_MB, group_in_buckets
 
 from .graph import GraphCost, ParamInfo
 
@@ -34,24 +34,10 @@ def bucket_caps(bucket_mb: float) -> tuple[float, float]:
 
 
 def grad_buckets(params: list[ParamInfo], bucket_mb: float, local: Mapping[str, int]) -> list[list[ParamInfo]]:
-    """Gradient buckets as runtime.zero_shard.make_buckets forms them: reverse registration
-    order; the first bucket holds at most min(FIRST_BUCKET_MB, bucket_mb), later ones
-    bucket_mb (sizes in the parameters' own bytes); a new bucket at a dtype change."""
-    cap = int(min(FIRST_BUCKET_MB, bucket_mb) * 2**20)
-    out: list[list[ParamInfo]] = []
-    cur: list[ParamInfo] = []
-    size = 0
-    for p in reversed(params):
-        nb = local[p.name] * p.dtype.itemsize
-        if cur and (size + nb > cap or p.dtype != cur[0].dtype):
-            out.append(cur)
-            cur, size = [], 0
-            cap = int(bucket_mb * 2**20)
-        cur.append(p)
-        size += nb
-    if cur:
-        out.append(cur)
-    return out
+    """Gradient buckets as the runtime forms them (runtime.zero_shard.group_in_buckets): reverse
+    registration order; the first bucket holds at most min(FIRST_BUCKET_MB, bucket_mb), later
+    ones bucket_mb (sizes in the parameters' own bytes); a new bucket at a dtype change."""
+    return group_in_buckets(params, bucket_mb, lambda p: local[p.name] * p.dtype.itemsize, lambda p: p.dtype)
 
 
 def zero3_units(names: list[str]) -> dict[str, str]:
