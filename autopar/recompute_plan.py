@@ -1,13 +1,16 @@
 """plan_recompute: what to recompute so that a training step fits a peak-memory budget.
 
-`plan_recompute(gm, budget)` analyses the (local, per-rank, per-stage) graph, builds the
-recompute chain model (`search.recompute.build_chain`), solves it (`search.recompute.solve`:
-the exact MILP for small graphs, the chain DP otherwise, with the proven gap), and checks the
-answer with the exact memory timeline (`cost.timeline`). When the timeline's peak is above
-the budget (the chain model is exact only for "everything off" and "everything full"), the
-model's budget is lowered by the excess and the search runs again; when it is well below,
-the model's budget is raised to buy back recomputation; the cheapest plan whose timeline fits
-is returned.
+`plan_recompute(gm, budget)` analyses the (local, per-rank, per-stage) graph and builds the
+recompute chain model (`search.recompute.build_chain`). By default (method "auto" or
+"ladder") it recomputes the shortest prefix of one fixed order of the saveable nodes
+(`search.recompute.ladder`: the cheapest seconds per byte freed first, norms and pointwise
+activations, then attention, GEMMs last) whose exact memory timeline (`cost.timeline`) fits
+the budget: a smaller budget never recomputes less (the plans of two budgets are prefixes of
+one list), and the report's gap says what that order costs against the chain model's optimum
+(`search.recompute.solve_dp`'s bound). Method "milp" / "dp" solve the model for the cheapest
+plan instead (`search.recompute.solve`) and check it with the timeline, lowering the model's
+budget by the excess or raising it to buy back recomputation; those answers need not be
+monotone in the budget.
 
 Budgets. A float in [0, 1] is a fraction of the range a recompute plan can move the peak:
 0 is the peak with every candidate layer fully recomputed, 1 the peak without recomputation
@@ -26,6 +29,7 @@ ValueError says why no plan fits (strict) / the report says so (strict=False).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,8 +39,8 @@ import torch.fx as fx
 
 from autopar.cost.graph import analyze
 from autopar.cost.timeline import Timeline, regions_for, timeline
-from autopar.search.recompute import (NO_ACTIVATION, NO_MODULE, ChainModel, Choices, build_chain, model_cost,
-                                      regions_of, solve)
+from autopar.search.recompute import (NO_ACTIVATION, NO_MODULE, ChainModel, Choices, build_chain, ladder,
+                                      ladder_choices, model_cost, off_choices, regions_of, solve, solve_dp)
 
 
 @dataclass
@@ -80,7 +84,8 @@ def plan_recompute(gm: fx.GraphModule, budget: float | int, hardware: Any = "cpu
             docstring.
         hardware: profile (name or Hardware) for recomputation times and kernel choices.
         sizes: symbol values for a dynamic capture ({"b": 8}); default: the example's sizes.
-        method: "auto" | "milp" | "dp" (see `search.recompute.solve`).
+        method: "auto" / "ladder" (the monotone prefix, see the module docstring) | "milp" | "dp"
+            (the cheapest plan of the model, `search.recompute.solve`).
         recompute_collectives: allow collectives to run again in backward (default: never).
         strict: raise ValueError when no plan fits (else return the smallest-peak plan and say so).
 
@@ -101,7 +106,10 @@ def plan_recompute(gm: fx.GraphModule, budget: float | int, hardware: Any = "cpu
     else:
         target = float(budget)
     notes: list[str] = []
-    choices, info = _search(chain, target, method, time_limit_s)
+    if method in ("auto", "ladder"):
+        choices, info = _search_ladder(chain, target)
+    else:
+        choices, info = _search(chain, target, method, time_limit_s)
     fits = choices is not None
     if not fits:
         lowest = min(none_pk, full_pk)
@@ -182,6 +190,60 @@ def _search(chain: ChainModel, target: float, method: str, time_limit_s: float) 
     record["seconds"] = time.perf_counter() - t0
     record["iterations"] = len(tried)
     return best[1], record
+
+
+def _search_ladder(chain: ChainModel, target: float) -> tuple[Choices | None, dict]:
+    """The shortest prefix of the recompute ladder (`search.recompute.ladder`: norms, pointwise,
+    attention, GEMMs; the cheapest per byte first) whose exact timeline peak fits `target`.
+    Group boundaries are scanned in order (the first that fits, exactly); inside that group
+    (one node kind over identical layers) a bisection. A smaller target therefore never
+    recomputes less (the plans of two targets are prefixes of one list). The model's optimum
+    at `target` (`solve_dp`'s bound) is reported as the bound, so the gap says what the order
+    costs against the cheapest plan the chain model knows."""
+    t0 = time.perf_counter()
+    groups = ladder(chain)
+    flat = [x for g in groups for x in g]
+    ends = list(itertools.accumulate(len(g) for g in groups))
+    gc, vals = chain.gc, chain.values
+    peaks: dict[int, float] = {0: chain.none.peak}
+
+    def peak(k: int) -> float:
+        if k not in peaks:
+            peaks[k] = timeline(gc, regions_of(chain, ladder_choices(chain, flat[:k])), vals,
+                                hardware=chain.hardware, keep_points=False).peak
+        return peaks[k]
+
+    info: dict[str, Any] = {"method": "ladder", "status": "feasible", "cost_s": 0.0, "bound_s": 0.0, "gap": 0.0,
+                            "seconds": 0.0, "model_budget": target, "iterations": 0, "steps": 0,
+                            "ladder_steps": len(flat)}
+    if peak(0) <= target:
+        info["seconds"] = time.perf_counter() - t0
+        return off_choices(chain), info
+    lo = 0
+    k = None
+    for end in ends:
+        if peak(end) <= target:
+            hi = end  # the first boundary that fits; bisect the group before it
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if peak(mid) <= target:
+                    hi = mid
+                else:
+                    lo = mid
+            k = hi
+            break
+        lo = end
+    info["iterations"] = len(peaks)
+    if k is None:
+        info.update(status="infeasible", seconds=time.perf_counter() - t0)
+        return None, info
+    choices = ladder_choices(chain, flat[:k])
+    cost = model_cost(chain, choices)
+    bound = solve_dp(chain, target).bound_s if cost > 0 else 0.0
+    bound = min(bound, cost)
+    info.update(cost_s=cost, bound_s=bound, gap=0.0 if cost <= 0 else (cost - bound) / cost, steps=k,
+                seconds=time.perf_counter() - t0)
+    return choices, info
 
 
 def _plan_data(chain: ChainModel, choices: Choices) -> tuple[dict[str, str], dict[str, list[str]]]:

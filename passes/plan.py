@@ -33,8 +33,8 @@ from autopar.runtime.placement import Layout
 
 from .plan_schema import PLAN_VERSION, PlanFormatError, parse_plan_json, precision_problems, validate_plan_dict
 
-__all__ = ["Plan", "PlanFormatError", "PLAN_VERSION", "PRECISIONS", "precision_fields", "engine_options",
-           "torch_dtype"]
+__all__ = ["Plan", "PlanFormatError", "PLAN_VERSION", "PRECISIONS", "PRECISION_FIELDS", "precision_fields",
+           "default_precision", "engine_options", "torch_dtype"]
 
 # name -> (param_dtype, master_dtype, reduce_dtype, optim_dtype, loss_scale). Gradient
 # reduction under the mixed recipes is fp32: averaging k bf16/fp16 gradients in 16 bits
@@ -53,6 +53,20 @@ _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 def torch_dtype(name: str | None) -> torch.dtype | None:
     """The torch dtype of a plan dtype name ("bf16" -> torch.bfloat16); None for None."""
     return None if name is None else _TORCH[name]
+
+
+PRECISION_FIELDS = ("param_dtype", "master_dtype", "reduce_dtype", "optim_dtype", "offload", "loss_scale")
+
+
+def default_precision(trained_dtypes: set[torch.dtype]) -> str | None:
+    """The recipe a model trains with when none is named: "bf16-mixed" ("fp16-mixed") when every
+    trained floating parameter is bf16 (fp16), as Megatron and DeepSpeed do; else None (the
+    model's own dtype, pure). `autopar.parallelize` and the planner both read it."""
+    if trained_dtypes == {torch.bfloat16}:
+        return "bf16-mixed"
+    if trained_dtypes == {torch.float16}:
+        return "fp16-mixed"
+    return None
 
 
 def precision_fields(precision: str | None, offload: bool | None = None) -> dict[str, Any]:

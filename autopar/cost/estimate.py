@@ -44,8 +44,14 @@ engine_options`): `param_dtype` (None: the graph's own) prices parameters and th
 `master_dtype` adds master copies (with their own gradients, as the engine keeps them) and
 sets the optimizer states' dtype, `reduce_dtype` sizes gradient communication and its
 buffers, and `offload` moves masters, their gradients and optimizer states out of device
-memory (`memory["offloaded"]`; not in `peak`). Compute time is still priced at the graph's
-captured dtypes.
+memory (`memory["offloaded"]`; not in `peak`; the step then runs on the CPU after the rank's
+gradient rows go down and before its parameter rows come back, `memory.offload_step_seconds`
+at the profile's host bandwidths). Matmuls and attention are timed at the peak of
+`param_dtype` (the compute dtype); activation bytes stay the captured graph's.
+
+Recompute (`Plan.recompute`, `Plan.extra["recompute_save"]`): the activation walk is
+`cost.timeline` over the checkpointed regions (what autograd keeps, what is recomputed in
+backward), and the recomputed forward ops' time is added to the backward (`recompute_s`).
 
 Tensor-parallel plug-in: `Plan.node_layouts` maps a node key ("<module path>:<op>#<k>") to its
 output layout; a node's compute is divided by the sizes of the axes where its output is
@@ -74,7 +80,9 @@ from . import comm as C
 from .estimate_report import CommReport, Estimate, LayerReport
 from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
-from .memory import OptimizerSpec, StateBytes, liveness, model_states, padded_numel, rows_of, tp_local_shape
+from .memory import (OptimizerSpec, StateBytes, device_resident, liveness, model_states, offload_step_seconds,
+                     padded_numel, rows_of, tp_local_shape, with_param_dtype)
+from .timeline import regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
 from .zero_comm import grad_buckets, zero3_timeline
@@ -114,9 +122,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     plan = plan or Plan(mesh={"dp": 1})
     param_dt = torch_dtype(plan.param_dtype)
     if param_dt is not None:  # the engine casts every floating parameter (not buffers) to it
-        gc = dataclasses.replace(gc, params=[dataclasses.replace(p, dtype=param_dt)
-                                             if not p.is_buffer and p.dtype.is_floating_point else p
-                                             for p in gc.params])
+        gc = dataclasses.replace(gc, params=with_param_dtype(gc.params, param_dt))
     mesh = dict(plan.mesh)
     notes: list[str] = []
     world = math.prod(mesh.values())
@@ -143,7 +149,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         sizes["b"] = global_batch // per
     values = gc.values(sizes)
     ev = lambda x: evaluate(x, values)  # noqa: E731
-    timer = NodeTimer(hw, values)
+    timer = NodeTimer(hw, values, compute_dtype=plan.param_dtype)
     comp_div, mem_div = layout_divisors(gc, plan)
 
     # --- compute per node, per layer ------------------------------------------------------
@@ -254,6 +260,14 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     # already the rows at stage 3)
     opt_bytes = 2 * (states.master + states.optimizer) + states.params / (dp if zero in (1, 2) else 1) + states.grads
     optimizer_s = opt_bytes / (hw.device.memory_bandwidth * hw.eff("memory")) if trainable else 0.0
+    offload_copy_s = 0.0
+    if plan.offload and trainable:  # the step runs on the CPU: gradients down, parameters back up
+        g_item = max(grad_item.values())
+        p_item = max(p.dtype.itemsize for p in trainable)
+        offload_copy_s, optimizer_s = offload_step_seconds(states.opt_elems, states.master + states.optimizer,
+                                                           g_item, p_item, hw.host_bandwidth,
+                                                           hw.host_memory_bandwidth)
+        optimizer_s += offload_copy_s
 
     n_micro = plan.n_microbatches
     fwd_s = fwd_compute * n_micro + fwd_exposed
@@ -268,13 +282,21 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             pg_bytes[p.key] = row.get("grads", 0) - row.get("master_grads", 0)  # masters' come after backward
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
                     storage_divisor=mem_div)
+    recompute_s = recompute_flops = 0.0
+    if any(v != "none" for v in plan.recompute.values()):  # the checkpointed regions' walk replaces the plain one
+        try:
+            regions = regions_for(gc, dict(plan.recompute), dict(plan.extra.get("recompute_save") or {}))
+            live = timeline(gc, regions, values, hardware=hw, param_grad_bytes=pg_bytes,
+                            grads_preallocated=n_micro > 1, storage_divisor=mem_div, keep_points=False)
+            recompute_s, recompute_flops = live.recompute_s * n_micro, live.recompute_flops * n_micro
+            bwd_s += recompute_s
+            step_s += recompute_s
+        except ValueError as e:  # a plan for another graph's node keys: reported, costed without it
+            notes.append(f"recompute could not be modelled on this graph ({e}); every saved tensor is kept")
     # offload: masters (at ZeRO-3 the shards themselves), their gradients and the states on the CPU
-    host_params = states.params if plan.offload and zero == 3 else 0
-    offloaded = states.master + states.optimizer + states.master_grads + host_params if plan.offload else 0
-    persistent = states.params + states.master + states.optimizer + states.buffers
-    if plan.offload:
-        persistent -= states.master + states.optimizer + host_params
-    dev_grads = states.grads - (states.master_grads if plan.offload else 0)
+    dev, offloaded = device_resident({**states.to_dict(), "master_grads": states.master_grads}, plan.offload, zero)
+    persistent = dev["params"] + dev["master"] + dev["optimizer"] + dev["buffers"]
+    dev_grads = dev["grads"]
     end_of_bwd = persistent + dev_grads + transient + live.inputs
     adam_tmp = (states.optimizer - (4 * len(trainable) if opt.step_tensor else 0)) / max(opt.states, 1) \
         if opt.states else 0
@@ -310,7 +332,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     fwd_flops = sum(ly.fwd_flops for ly in layers) * n_micro
     bwd_flops = sum(ly.bwd_flops for ly in layers) * n_micro
     dtypes = [n.cost.dtype for n in gc.nodes if n.cost.kind in ("matmul", "attention")]
-    main = max(set(dtypes), key=dtypes.count) if dtypes else "fp32"
+    main = plan.param_dtype or (max(set(dtypes), key=dtypes.count) if dtypes else "fp32")  # MFU against this peak
     mfu = (fwd_flops + bwd_flops) / (step_s * hw.peak(main)) if step_s > 0 else 0.0
     per_axis: dict[str, dict[str, float]] = {}
     for r in comm_reports.values():
@@ -327,14 +349,13 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     for op, why in sorted(gc.rule_errors.items()):
         notes.append(f"the rule for {op} could not cost a call ({why}); fallback used")
     if plan.offload:
-        notes.append("offload: the optimizer step is costed at device memory bandwidth (a CPU step and the "
-                     "host-device copies are not modelled yet)")
-    if plan.master_dtype is not None:
-        notes.append("mixed precision: compute is costed at the captured graph's dtypes")
+        notes.append(f"offload: the optimizer step runs on the CPU ({hw.host_memory_bandwidth / 1e9:.0f} GB/s) after "
+                     f"{offload_copy_s * 1e3:.3g} ms of host<->device copies ({hw.host_bandwidth / 1e9:.0f} GB/s)")
+    if plan.param_dtype is not None:
+        notes.append(f"compute costed at the {plan.param_dtype} peak (the plan's param_dtype); activation bytes as "
+                     "captured")
     if plan.split_points or plan.schedule:
         notes.append("pipeline stages (split_points / schedule) are not modelled yet: costed as one stage")
-    if any(v != "none" for v in plan.recompute.values()):
-        notes.append("recompute is not modelled yet: every saved tensor is kept")
     if plan.fusions:
         notes.append("fusions are not modelled yet: ops are costed unfused")
     notes.append(f"graph costed per micro-batch of sizes {dict((str(k), v) for k, v in values.items()) or 'static'}")
@@ -346,5 +367,5 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         memory=memory, bytes_per_axis=per_axis,
         comm=sorted(comm_reports.values(), key=lambda r: (r.phase, r.axis, r.op)), layers=layers,
         unknown_ops=dict(sorted(gc.unknown_ops.items())), unknown_saved=dict(sorted(gc.unknown_saved.items())),
-        notes=notes, analysis_s=time.perf_counter() - t0,
+        notes=notes, analysis_s=time.perf_counter() - t0, recompute_s=recompute_s,
     )  # fmt: skip

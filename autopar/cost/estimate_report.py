@@ -66,6 +66,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     ranks: str = "every rank alike (data parallel); figures are rank 0's, the largest ZeRO chunk"
     analysis_s: float = 0.0
+    recompute_s: float = 0.0  # forward ops run again in backward (inside bwd_s and step_s)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -97,6 +98,7 @@ class Estimate:
         return {"hardware": self.hardware, "sizes": dict(self.sizes), "step_s": self.step_s, "fwd_s": self.fwd_s,
                 "bwd_s": self.bwd_s, "optimizer_s": self.optimizer_s, "comm_s": self.comm_s,
                 "comm_exposed_s": self.comm_exposed_s, "mfu": self.mfu, "peak_bytes": self.memory["peak"],
+                "recompute_s": self.recompute_s,
                 "capacity_bytes": self.memory["capacity"], "fits": self.fits,
                 "bytes_sent_per_axis": {a: b["sent"] for a, b in self.bytes_per_axis.items()}}
 

@@ -8,6 +8,10 @@ that real kernels reach; defaults until `autopar tune` overwrites them), and the
 choices that decide what autograd saves (flash vs. math attention, fused vs. composite
 RMSNorm, bool vs. dtype dropout masks), which differ between CUDA and CPU.
 
+An optional `"host"` section (`{"bandwidth": B/s per direction device<->host, "memory_bandwidth":
+B/s of CPU memory one device's optimizer step gets}`) prices offload; without one the
+documented defaults DEFAULT_HOST_BANDWIDTH / DEFAULT_HOST_MEMORY_BANDWIDTH apply.
+
 A profile may `"extends"` another by name; its keys are merged over the parent's (nested
 dicts merge key by key).
 
@@ -22,6 +26,10 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
+
+# host <-> device defaults for profiles without a "host" section (offload pricing)
+DEFAULT_HOST_BANDWIDTH = 25e9  # bytes/s per direction: pinned copies over PCIe 4.0/5.0 x16 as typically measured, not the link's peak
+DEFAULT_HOST_MEMORY_BANDWIDTH = 50e9  # bytes/s of CPU DRAM one device's optimizer step gets (a server's ~400 GB/s over 8 GPUs)
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -74,6 +82,11 @@ class Hardware:
     kernel_overhead_s: float = 0.0  # launch cost per non-view kernel
     description: str = ""
     calibration: Mapping[str, Any] = field(default_factory=dict)
+    # host <-> device (offload): copy bandwidth per direction and the CPU memory bandwidth one
+    # device's optimizer step gets; a profile's optional "host" section, else the documented
+    # defaults above
+    host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
+    host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH
 
     @property
     def world_size(self) -> int:
@@ -114,6 +127,7 @@ class Hardware:
             "efficiency": dict(d["efficiency"]), "fp32_matmul": d["fp32_matmul"],
             "kernel_overhead_s": d["kernel_overhead_s"], "kernels": dict(d["kernels"]),
             "calibration": dict(d["calibration"]),
+            "host": {"bandwidth": d["host_bandwidth"], "memory_bandwidth": d["host_memory_bandwidth"]},
         }  # fmt: skip
 
     def save(self, path: str | Path) -> None:
@@ -178,6 +192,8 @@ def from_dict(d: Mapping[str, Any]) -> Hardware:
             kernel_overhead_s=float(d.get("kernel_overhead_s", 0.0)),
             description=d.get("description", ""),
             calibration=dict(d.get("calibration", {})),
+            host_bandwidth=float(d.get("host", {}).get("bandwidth", DEFAULT_HOST_BANDWIDTH)),
+            host_memory_bandwidth=float(d.get("host", {}).get("memory_bandwidth", DEFAULT_HOST_MEMORY_BANDWIDTH)),
         )  # fmt: skip
     except KeyError as e:
         raise ValueError(f"hardware profile {d.get('name', '?')!r} lacks the key {e}; see "

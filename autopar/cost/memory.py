@@ -24,6 +24,13 @@ writes them and frees the full gradient). That part is also in `master_grads`. A
 engine keeps no 16-bit shard: the module's parameter is the master's rows, counted as params
 (in the master's dtype), master 0; the 16-bit copies exist only while a unit is gathered.
 
+Under a Plan's precision (`plan_states`: parameters cast to `param_dtype`, masters when
+`master_dtype` differs, as the engine keeps them; the one count `cost.estimate` and the
+planner share; `resolve_precision` fills the fields a model trains with by default),
+`device_resident` splits a rank's states into device and host bytes under offload, and
+`offload_step_seconds` prices an offloaded step (host<->device copies, the CPU's update) at a
+profile's host bandwidths.
+
 Activation peak (`liveness`): a walk over the forward in graph order, then the backward in
 reverse order. Forward: a node allocates the storages its outputs create (views allocate
 nothing) and the buffers it saves; a storage is freed after its last reader unless autograd
@@ -42,6 +49,7 @@ inputs + outputs + saved bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -51,6 +59,7 @@ import torch
 from autopar.runtime.placement import Layout, local_shape
 
 from .graph import GraphCost, ParamInfo
+from .hardware import DEFAULT_HOST_BANDWIDTH, DEFAULT_HOST_MEMORY_BANDWIDTH
 from .ops import packet_name
 from .symbolic import evaluate
 
@@ -109,6 +118,7 @@ class StateBytes:
     buffers: int = 0
     per_param: dict[str, dict[str, int]] = field(default_factory=dict)
     master_grads: int = 0  # the part of `grads` held by separate masters (counted once, in grads)
+    opt_elems: int = 0  # elements the optimizer steps on this rank (its rows from ZeRO 1 on)
 
     @property
     def total(self) -> int:
@@ -201,12 +211,90 @@ def model_states(params: list[ParamInfo], optimizer: Any = "adamw", *, zero_stag
             else:
                 row["grads"] = (shard if zero_stage >= 2 else numel) * g_item
             row["optimizer"] = n_opt * opt.states * m_item + (4 if opt.step_tensor else 0)
+            row["opt_elems"] = n_opt
             if separate and as_engine and zero_stage == 3:  # the engine's shard is the master
                 row["params"], row["master"] = shard * m_item, 0
         for k, v in row.items():
             setattr(out, k, getattr(out, k) + v)
         out.per_param[p.name] = row
     return out
+
+
+def with_param_dtype(params: list[ParamInfo], dtype: torch.dtype | None) -> list[ParamInfo]:
+    """`params` as the engine holds them under a plan's `param_dtype`: every floating
+    parameter (not buffers) cast to `dtype`; None: as captured."""
+    if dtype is None:
+        return list(params)
+    return [dataclasses.replace(p, dtype=dtype) if not p.is_buffer and p.dtype.is_floating_point else p
+            for p in params]
+
+
+def plan_states(params: list[ParamInfo], optimizer: Any = "adamw", *, precision: Mapping[str, Any] | None = None,
+                zero_stage: int = 0, dp: int = 1, rank: int = 0, param_layouts: Mapping[str, Layout] | None = None,
+                mesh: Mapping[str, int] | None = None, dp_axis: str | None = "dp") -> StateBytes:
+    """`model_states` under a Plan's precision fields, as the ZeRO engine keeps them: the one
+    byte count of parameters, gradients, masters and optimizer states that `cost.estimate` and
+    the planner (`search.plan_tables`) share.
+
+    Args:
+        precision: the Plan's fields ("param_dtype", "master_dtype", "offload"; names as in
+            `passes.plan.PRECISIONS`); missing or None: the captured dtypes, no masters.
+    """
+    from autopar.passes.plan import torch_dtype  # noqa: PLC0415 - passes.plan imports nothing of cost
+
+    prec = dict(precision or {})
+    return model_states(with_param_dtype(params, torch_dtype(prec.get("param_dtype"))), optimizer,
+                        zero_stage=zero_stage, dp=dp, rank=rank, master_dtype=torch_dtype(prec.get("master_dtype")),
+                        param_layouts=param_layouts, mesh=mesh, dp_axis=dp_axis,
+                        separate_masters=bool(prec.get("offload")), as_engine=True)
+
+
+def resolve_precision(params: list[ParamInfo], precision: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The Plan precision fields a plan of this graph runs with: `precision` (Plan fields, as
+    `passes.plan.precision_fields` spells them) over the default recipe of the graph's trained
+    parameters (`passes.plan.default_precision`: bf16-mixed for a bf16 model), as
+    `autopar.parallelize` runs them. `offload` None (the planner decides) reads as False here."""
+    from autopar.passes.plan import PRECISION_FIELDS, default_precision, precision_fields  # noqa: PLC0415
+
+    trained = {p.dtype for p in params if p.requires_grad and not p.is_buffer and p.dtype.is_floating_point}
+    out = {f: None for f in PRECISION_FIELDS}
+    out["offload"] = False
+    given = dict(precision or {})
+    if not any(given.get(f) is not None for f in ("param_dtype", "master_dtype")):
+        out.update(precision_fields(default_precision(trained)))
+    out.update({k: v for k, v in given.items() if k in PRECISION_FIELDS and (v is not None or k != "offload")})
+    out["offload"] = bool(out.get("offload"))
+    return out
+
+
+def device_resident(row: Mapping[str, float], offload: bool, zero_stage: int) -> tuple[dict[str, float], float]:
+    """Split one rank's model states (a `StateBytes.per_param` row, or `StateBytes.to_dict()`
+    with "master_grads") into what stays in device memory and what offload keeps on the host:
+    offload moves the masters, their gradients and the optimizer states to CPU memory (at
+    ZeRO 3 the rank's shards, which are the masters, too). Returns (device bytes by category
+    params / grads / master / optimizer / buffers, host bytes)."""
+    get = lambda k: float(row.get(k, 0.0))  # noqa: E731
+    dev = {"params": get("params"), "grads": get("grads"), "master": get("master"), "optimizer": get("optimizer"),
+           "buffers": get("buffers")}
+    if not offload:
+        return dev, 0.0
+    host_params = dev["params"] if zero_stage == 3 else 0.0
+    host = dev["master"] + dev["optimizer"] + get("master_grads") + host_params
+    dev.update(params=dev["params"] - host_params, grads=dev["grads"] - get("master_grads"), master=0.0, optimizer=0.0)
+    return dev, host
+
+
+def offload_step_seconds(opt_elems: float, master_opt_bytes: float, grad_item: int, param_item: int,
+                         host_bandwidth: float = DEFAULT_HOST_BANDWIDTH,
+                         host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH) -> tuple[float, float]:
+    """(host<->device copy seconds, CPU optimizer step seconds) of one offloaded step on one rank
+    (ZeRO-Offload): the rank's reduced gradient rows go to the host (`grad_item` bytes each),
+    the CPU steps the masters and states (read and written once, the gradients read:
+    memory bound), and the updated rows come back in the parameters' dtype. The copies do not
+    overlap the step (the engine copies, steps, then copies back)."""
+    copies = opt_elems * (grad_item + param_item) / host_bandwidth
+    step = (2 * master_opt_bytes + opt_elems * 4) / host_memory_bandwidth
+    return copies, step
 
 
 def tp_local_shape(p: ParamInfo, param_layouts: Mapping[str, Layout] | None, mesh: Mapping[str, int] | None,

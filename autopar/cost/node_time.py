@@ -34,8 +34,12 @@ class NodeTimer:
     """(forward, backward) seconds of one node on one rank: the one per-node time formula the
     estimate, the searches (sharding, fusion, planner) and the memory timeline share."""
 
-    def __init__(self, hw: Hardware, values):
+    def __init__(self, hw: Hardware, values, compute_dtype: str | None = None):
+        """`compute_dtype` ("bf16" ...): the dtype the plan computes in (its `param_dtype`: the
+        engine casts the model to it); floating matmuls and attention run at that dtype's peak
+        whatever the capture's dtype. None: as captured. Bytes stay the captured ones."""
         self.hw, self.values = hw, values
+        self.compute_dtype = compute_dtype
         self.cache: dict[Any, tuple[float, float]] = {}
 
     def ev(self, x) -> float:
@@ -63,11 +67,15 @@ class NodeTimer:
         hw = self.hw
         flops, other, nbytes = flops / div, other / div, nbytes / div
         t_c = 0.0
+        dt = c.dtype
+        if self.compute_dtype is not None and dt in ("fp32", "bf16", "fp16") \
+                and (self.compute_dtype in hw.device.peak_flops or self.compute_dtype == "fp32"):
+            dt = self.compute_dtype
         if c.kind == "matmul":
-            t_c = flops / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops or c.dtype == "fp32" else "fp32")
+            t_c = flops / (hw.peak(dt if dt in hw.device.peak_flops or dt == "fp32" else "fp32")
                            * hw.eff("matmul"))
         elif c.kind == "attention":
-            t_c = flops * c.causal_fraction / (hw.peak(c.dtype if c.dtype in hw.device.peak_flops else "fp32")
+            t_c = flops * c.causal_fraction / (hw.peak(dt if dt in hw.device.peak_flops else "fp32")
                                                * hw.eff("attention"))
         t_v = other / (hw.device.vector_flops * hw.eff("vector"))
         t_m = nbytes / (hw.device.memory_bandwidth * hw.eff("memory"))

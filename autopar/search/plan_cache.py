@@ -23,7 +23,7 @@ from autopar.search.candidate import plain
 
 __all__ = ["PLANNER_VERSION", "cache_key", "disk_get", "disk_put", "graph_fingerprint"]
 
-PLANNER_VERSION = 1
+PLANNER_VERSION = 2  # 2: precision and offload priced
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

@@ -29,7 +29,9 @@ For a candidate:
            per micro-batch: each unit gathered before its forward (prefetched one unit ahead)
            and again before its backward, its gradients reduce-scattered after it; expert
            all-to-alls (dispatch and combine, forward and backward, blocking); the optimizer
-           step (memory bound, as cost.estimate). The step is the slowest rank's.
+           step (memory bound, as cost.estimate; with offload on the CPU after the host copies,
+           `cost.memory.offload_step_seconds`). Compute at the plan's compute dtype (its
+           param_dtype) peak. The step is the slowest rank's.
   memory   per rank: its stages' states (a parameter read on two stages counted on both) + the
            activations it holds at the schedule's worst point (F adds a micro-batch's saved
            bytes and its stage input, B/W release them) + the working set + communication
@@ -83,7 +85,10 @@ class PlanCostModel(PlanTables):
         hardware: profile name or Hardware.
         world: ranks of the mesh.
         global_batch: rows per step (default: the captured batch).
-        optimizer, master_dtype: model-state accounting (`cost.model_states`).
+        optimizer: model-state accounting (`cost.memory.plan_states`).
+        precision: the Plan's precision fields the plans run with (`plan_tables.resolve_precision`:
+            missing ones from the model's default recipe); offload True prices masters and
+            optimizer states on the host and the step on the CPU.
         param_pins: parameter name -> tp placement for the sharding ILP.
         gc: `analyze(gm, hardware)` when already computed.
     """
@@ -99,7 +104,7 @@ class PlanCostModel(PlanTables):
         st = self.states(1, c.zero, c.dp, c.ep)
         t = c.tp
         opt_tot = self._opt_time((st.total["master"] + st.total["optimizer"]) / t, st.total["params"] / t,
-                                 st.total["grads"] / t, c)
+                                 st.total["grads"] / t, c, *self._offload_totals(st, t))
         u1 = self.units(1, rows)
         act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1)
         return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, sum(st.total.values()) / t * (1 - 1e-3), act)
@@ -130,7 +135,8 @@ class PlanCostModel(PlanTables):
         u = self.units(c.tp, rows)
         st = self.states(c.tp, c.zero, c.dp, c.ep)
         f, b = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
-        opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c)
+        opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c,
+                                 *self._offload_totals(st))
         act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u)
         z3 = 2 * c.dp * float(st.gather.max()) if c.zero == 3 and c.dp > 1 else 0.0
         fixed = self.workspace(c.tp, rows) + z3  # every rank's peak has these on top
@@ -184,9 +190,15 @@ class PlanCostModel(PlanTables):
             lb = max(lb, _chain_factor(m, p, gamma) * float(per.sum()))
         return lb
 
-    def _opt_time(self, master_opt: float, params: float, grads: float, c: Candidate) -> float:
+    def _opt_time(self, master_opt: float, params: float, grads: float, c: Candidate, elems: float = 0.0,
+                  host_mo: float = 0.0) -> float:
+        """The optimizer step: on the device, memory bound (as cost.estimate); with offload on the
+        CPU, after the rank's gradient rows (`elems` of them) go down and before its parameter
+        rows come back (`cost.memory.offload_step_seconds`, the one formula cost.estimate uses)."""
         if not any(p.requires_grad for p in self.gc.params):
             return 0.0
+        if self.offload:
+            return sum(self._offload_parts(elems, host_mo))
         z = c.zero if c.dp > 1 else 0
         nbytes = 2 * master_opt + params / (c.dp if z in (1, 2) else 1) + grads
         return nbytes / (self.hw.device.memory_bandwidth * self.hw.eff("memory"))
@@ -316,7 +328,11 @@ class PlanCostModel(PlanTables):
         # per rank: its states by category and its optimizer step (no schedule needed)
         cats_r = [{k: sum(cats_s[s][k] for s in stages_of[r]) for k in CATEGORIES} for r in range(P)]
         st_r = [sum(states_s[s] for s in stages_of[r]) for r in range(P)]
-        opt_r = [self._opt_time(x["master"] + x["optimizer"], x["params"], x["grads"], c) for x in cats_r]
+        off = [(sum(float(st.offload_elems[starts[s]:ends[s]].sum()) for s in stages_of[r]),
+                sum(float(st.offload_mo[starts[s]:ends[s]].sum()) for s in stages_of[r]))
+               if st.offload_elems is not None else (0.0, 0.0) for r in range(P)]
+        opt_r = [self._opt_time(x["master"] + x["optimizer"], x["params"], x["grads"], c, *o)
+                 for x, o in zip(cats_r, off)]
         early = dict(candidate=c, limit_bytes=limit, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0,
                      comm={}, flops=0.0, mfu=0.0, tokens_per_s=0.0, rows_per_micro=rows,
                      split_points=[self.unit_names[i] for i in starts[1:]])
@@ -353,6 +369,8 @@ class PlanCostModel(PlanTables):
                               "optimizer_step_temp": adam, "peak": peak})
         full = int(np.argmax(rank_peaks))
         memory = dict(rank_cats[full], limit=limit)
+        if self.offload:  # in host memory, not in the peak (every stage's: the rank's when pp = 1)
+            memory["offloaded"] = st.host_bytes
         tpr, _unit = self.tokens_per_row()
         common = dict(candidate=c, peak_bytes=max(rank_peaks), limit_bytes=limit, memory=memory, rows_per_micro=rows,
                       split_points=[self.unit_names[i] for i in starts[1:]],

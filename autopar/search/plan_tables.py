@@ -24,10 +24,14 @@ search over thousands of candidates on a 70B graph costs seconds:
                    most rows, the chord in between: an overestimate, the peak being convex).
                    Identical blocks are costed once. `optimistic_units`: the same times with
                    every node's work divided by t, without the ILP (for the bounds).
-  per (t, z, d, e) model states per unit (`cost.model_states` with the TP layouts: params,
-                   grads, fp32 master, optimizer, buffers; one parameter of each kind) under
-                   ZeRO stage z over d ranks; expert parameters (`search.expert_detect.detect_moe`)
-                   divided over e expert-parallel ranks. A parameter read by several units is
+  per (t, z, d, e) model states per unit (`cost.memory.plan_states`, the count cost.estimate
+                   uses, with the TP layouts and the plan's precision: params at param_dtype,
+                   masters only when master_dtype differs, gradients as the engine keeps them,
+                   optimizer states at their dtype, gradient payloads at reduce_dtype; with
+                   offload only what stays on the device, `cost.memory.device_resident`, and
+                   what the CPU steps; one parameter of each kind) under ZeRO stage z over d
+                   ranks; expert parameters (`search.expert_detect.detect_moe`) divided over e
+                   expert-parallel ranks. A parameter read by several units is
                    kept apart (`UnitStates.shared`), to be counted on every stage that reads it.
   per mesh         the axes' links (`cost.comm.axis_links`, times and bytes memoised per
                    payload); per (schedule, pp, micro-batches) the step's schedule
@@ -52,15 +56,17 @@ import sympy
 import torch
 import torch.fx as fx
 
-from autopar.cost import analyze, evaluate, liveness, load_profile, model_states
+from autopar.cost import analyze, evaluate, liveness, load_profile
 from autopar.cost.comm import axis_links
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
-from autopar.cost.memory import OptimizerSpec, padded_numel, rows_of, tp_local_shape
+from autopar.cost.memory import (OptimizerSpec, device_resident, offload_step_seconds, padded_numel, plan_states,
+                                 resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
 from autopar.cost.placements import Layout, Placement, conversion_bytes, conversion_time
 from autopar.cost.schedule import make_schedule
 from autopar.cost.zero_comm import bucket_caps
+from autopar.passes.plan import torch_dtype
 from autopar.passes.rules.sharding import requires_grad_nodes
 from autopar.passes.split_pipeline import pipeline_units
 from autopar.search.candidate import Candidate
@@ -68,7 +74,7 @@ from autopar.search.expert_detect import detect_moe
 from autopar.search.shard_tables import ShardInfo, shard_info
 from autopar.search.stages import cross_bytes
 
-__all__ = ["CATEGORIES", "PlanTables", "ShardInfo", "UnitCosts", "UnitStates"]
+__all__ = ["CATEGORIES", "PlanTables", "ShardInfo", "UnitCosts", "UnitStates", "resolve_precision"]
 
 _BLOCK = re.compile(r"(^|\.)\d+$")  # a unit named after a numbered module: layers.3
 _EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -101,6 +107,9 @@ class UnitStates:
     gather: np.ndarray  # per unit: parameter all-gather payload (this rank's padded piece)
     adam_tmp: np.ndarray  # per unit: the optimizer step's temporary
     total: dict[str, float]  # every parameter once
+    offload_elems: np.ndarray | None = None  # per unit, with offload: elements the CPU steps
+    offload_mo: np.ndarray | None = None  # per unit, with offload: master + optimizer bytes on the host
+    host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
 
 
 class PlanTables:
@@ -109,7 +118,8 @@ class PlanTables:
     documented on `PlanCostModel`."""
 
     def __init__(self, gm: fx.GraphModule, hardware: Any, world: int, *, global_batch: int | None = None,
-                 optimizer: Any = "adamw", master_dtype: Any = "auto", param_pins: Mapping[str, Placement] | None = None,
+                 optimizer: Any = "adamw", precision: Mapping[str, Any] | None = None,
+                 param_pins: Mapping[str, Placement] | None = None,
                  node_pins: Mapping[str, Placement] | None = None, gc: GraphCost | None = None,
                  bucket_mb: float = 25.0):
         hw = load_profile(hardware)
@@ -121,8 +131,10 @@ class PlanTables:
         self.gm = gm
         self.gc = gc if gc is not None else analyze(gm, self.base_hw)
         self.opt = OptimizerSpec.of(optimizer)
-        half = {p.dtype for p in self.gc.params if p.requires_grad} & {torch.float16, torch.bfloat16}
-        self.master_dtype = (torch.float32 if half else None) if master_dtype == "auto" else master_dtype
+        self.precision = resolve_precision(self.gc.params, precision)
+        self.offload = bool(self.precision.get("offload"))
+        self.param_dtype = torch_dtype(self.precision.get("param_dtype"))
+        self.reduce_dtype = torch_dtype(self.precision.get("reduce_dtype"))
         self.param_pins = dict(param_pins or {})
         self.bucket_bytes = bucket_caps(bucket_mb)
         self.node_pins = dict(node_pins or {})
@@ -133,7 +145,9 @@ class PlanTables:
         self._chain()
         self._experts()
         dtypes = [n.cost.dtype for n in self.gc.nodes if n.cost.kind in ("matmul", "attention")]
-        self.main_dtype = max(set(dtypes), key=dtypes.count) if dtypes else "fp32"
+        # the compute dtype: the plan's param_dtype (the engine casts the model to it), else as captured
+        self.compute_dtype = self.precision.get("param_dtype")
+        self.main_dtype = self.compute_dtype or (max(set(dtypes), key=dtypes.count) if dtypes else "fp32")
         self._shard: dict[int, ShardInfo] = {}
         self._units: dict[tuple, UnitCosts] = {}
         self._states: dict[tuple, UnitStates] = {}
@@ -280,7 +294,7 @@ class PlanTables:
         info = self.sharding(t)
         values = self._values(rows)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
-        timer = NodeTimer(self.hw, values)
+        timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
         fwd, bwd, act, flops = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
         ef, eb = np.zeros(L), np.zeros(L)
         memo: dict = {}
@@ -374,7 +388,7 @@ class PlanTables:
             return hit
         values = self._values(rows)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
-        timer = NodeTimer(self.hw, values)
+        timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
         L = self.L
         f_, b_, ef, eb = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
         for nc, u, is_exp in zip(self.gc.nodes, self.node_unit, self.expert_node):
@@ -441,39 +455,50 @@ class PlanTables:
         if hit is not None:
             return hit
         reps, kinds, layouts = self._param_kinds(t)
+        reps = with_param_dtype(reps, self.param_dtype)  # as the engine holds them
         mesh = {"dp": dp, "tp": t}
         z = zero if dp > 1 else 0
-        dense = model_states(reps, self.opt, zero_stage=z, dp=dp, rank=0, master_dtype=self.master_dtype,
-                             param_layouts=layouts, mesh=mesh, dp_axis="dp").per_param
+        dense = plan_states(reps, self.opt, precision=self.precision, zero_stage=z, dp=dp, rank=0,
+                            param_layouts=layouts, mesh=mesh, dp_axis="dp").per_param
         opt_states = max(self.opt.states, 1)
         per_kind = []
         for p in reps:
-            row = {c: float(dense.get(p.name, {}).get(c, 0)) for c in CATEGORIES}
+            full = dense.get(p.name, {})
+            dev, host = device_resident(full, self.offload, z)
+            row = {c: float(dev.get(c, 0)) for c in CATEGORIES}
             if p.is_buffer:
                 row = {c: 0.0 for c in CATEGORIES}
                 row["buffers"] = float(p.numel * p.dtype.itemsize)
             shape = tp_local_shape(p, layouts, mesh, "dp")
             if p.requires_grad and not p.is_buffer:
-                gp = float(math.prod(rows_of(shape)) * p.dtype.itemsize if z < 2
-                           else dp * padded_numel(shape, dp) * p.dtype.itemsize)
+                g_item = (self.reduce_dtype or p.dtype).itemsize  # what is communicated
+                gp = float(math.prod(rows_of(shape)) * g_item if z < 2 else dp * padded_numel(shape, dp) * g_item)
                 ga = float(padded_numel(shape, dp) * p.dtype.itemsize)
             else:
                 gp = ga = 0.0
-            tmp = row["optimizer"] / opt_states if self.opt.states else 0.0
-            per_kind.append((row, gp, ga, tmp))
+            # the step's temporary (one per optimizer state element, on the device only)
+            tmp = (float(full.get("optimizer", 0)) / opt_states if self.opt.states and not self.offload else 0.0)
+            elems = float(full.get("opt_elems", 0)) if self.offload else 0.0
+            mo = float(full.get("master", 0) + full.get("optimizer", 0)) if self.offload else 0.0
+            per_kind.append((row, gp, ga, tmp, elems, mo, host))
         L = self.L
         cat = {c: np.zeros(L) for c in CATEGORIES}
         grad_payload, gather, adam = np.zeros(L), np.zeros(L), np.zeros(L)
+        off_elems, off_mo = np.zeros(L), np.zeros(L)
+        host_total = 0.0
         shared: list[tuple[dict[str, float], np.ndarray]] = []
         total = {c: 0.0 for c in CATEGORIES}
         for p, kind in zip(self.gc.params, kinds):
-            row, gp, ga, tmp = per_kind[kind]
+            row, gp, ga, tmp, elems, mo, host = per_kind[kind]
             if ep > 1 and p.name in self.expert_params:
                 row = {c: v / ep for c, v in row.items()}
-                gp, ga, tmp = gp / ep, ga / ep, tmp / ep
+                gp, ga, tmp, elems, mo, host = gp / ep, ga / ep, tmp / ep, elems / ep, mo / ep, host / ep
             for c in CATEGORIES:
                 total[c] += row[c]
+            host_total += host
             us = self.readers[p.name]
+            off_elems[us[0]] += elems  # the CPU steps each parameter once (on its first reader's stage)
+            off_mo[us[0]] += mo
             if len(us) == 1:
                 u = us[0]
                 for c in CATEGORIES:
@@ -490,9 +515,41 @@ class PlanTables:
                 # the gradient is synchronised by the last reader's stage; count it there
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
-        out = UnitStates(cat, shared, grad_payload, gather, adam, total)
+        out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total)
         self._states[key] = out
         return out
+
+    # ------------------------------------------------------------------ offload
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad and not p.is_buffer for p in self.gc.params)
+
+    def share_tables(self, other: "PlanTables") -> None:
+        """Reuse `other`'s sharding ILPs and unit tables (they do not depend on the model states:
+        the same graph, hardware and world, another precision or offload)."""
+        assert other.gm is self.gm and other.world == self.world and other.compute_dtype == self.compute_dtype
+        self._shard, self._units, self._links, self._scheds = other._shard, other._units, other._links, other._scheds
+
+    def offload_seconds(self, plan) -> tuple[float, float]:
+        """(host<->device copies, CPU step) seconds per step of a planned `plan` (the busiest
+        pipeline rank's share taken as 1/pp of the whole)."""
+        mesh = plan.mesh
+        st = self.states(mesh.get("tp", 1), plan.zero_stage, mesh.get("dp", 1), mesh.get("ep", 1))
+        return self._offload_parts(*self._offload_totals(st, mesh.get("pp", 1)))
+
+    def _offload_totals(self, st: UnitStates, div: float = 1.0) -> tuple[float, float]:
+        """(elements the CPU steps, master + optimizer bytes on the host) over every unit, / div."""
+        if st.offload_elems is None:
+            return 0.0, 0.0
+        return float(st.offload_elems.sum()) / div, float(st.offload_mo.sum()) / div
+
+    def _offload_parts(self, elems: float, host_mo: float) -> tuple[float, float]:
+        """(host<->device copies, CPU step) seconds of an offloaded step over `elems` elements."""
+        trained = [p for p in self.gc.params if p.requires_grad and not p.is_buffer]
+        p_item = max(((self.param_dtype or p.dtype).itemsize for p in trained), default=4)
+        g_item = self.reduce_dtype.itemsize if self.reduce_dtype is not None else p_item
+        return offload_step_seconds(elems, host_mo, g_item, p_item, self.hw.host_bandwidth,
+                                    self.hw.host_memory_bandwidth)
 
     # ------------------------------------------------------------------ schedules
     def schedule(self, c: Candidate):

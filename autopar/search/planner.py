@@ -46,6 +46,13 @@ some and the search places the rest), "recompute" ("none", "full" or {unit: "ful
 `search.fusion.plan_fusions(gm, hardware)` when that module exists; expert parallelism when
 `passes/expert.py` exists (or `allow={"ep": True}` to plan it without running it).
 
+Precision (`precision=`, Plan fields; missing ones from the model's default recipe,
+`passes.plan.default_precision`) is priced by the cost model (`plan_tables`: states at their
+dtypes, compute at the compute dtype's peak) and written into the Plan. Offload: True/False as
+given; not given, the search runs without it and, only when no plan fits (and the device's
+memory is not the host's), again with masters and optimizer states on the host; a note says
+which and why.
+
 An infeasible request raises ValueError before anything is allocated, naming the plan that
 needs the least memory and by how much it misses the limit.
 
@@ -98,8 +105,8 @@ def clear_cache() -> None:
 def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[str, int], hardware: Any = "h100-sxm",
              *, pins: Mapping[str, Any] | None = None, memory_limit: float | None = None,
              global_batch: int | None = None, top_k: int = 5, optimizer: Any = "adamw",
-             cache_dir: str | None = None, allow: Mapping[str, bool] | None = None, gc=None
-             ) -> tuple[Plan, PlanReport]:
+             cache_dir: str | None = None, allow: Mapping[str, bool] | None = None, gc=None,
+             precision: Mapping[str, Any] | None = None) -> tuple[Plan, PlanReport]:
     """The best plan for `global_gm` on a mesh of the given size, and why.
 
     Args:
@@ -116,6 +123,12 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
         cache_dir: also cache results as JSON files here (default $AUTOPAR_PLAN_CACHE).
         allow: override RUNTIME_SUPPORT flags ({"ep": True, "recompute_with_pp": True}).
         gc: `cost.analyze(global_gm, hardware)` when the caller has it.
+        precision: the Plan's precision fields to plan for (`passes.plan.precision_fields(name,
+            offload)`); fields left out follow the model's default recipe
+            (`passes.plan.default_precision`: bf16-mixed for a bf16 model), as parallelize runs
+            it. "offload": True or False is kept; missing or None lets the planner decide: it
+            plans without offload and, only when no plan fits, again with masters and optimizer
+            states offloaded to the host. The chosen fields are written into the Plan.
 
     Returns:
         (plan, report): the Plan (mesh, dp axis, ZeRO stage, layouts and strategies on tp,
@@ -132,7 +145,8 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
     world = world_size(world_size_or_mesh_sizes)
     limit = float(memory_limit) if memory_limit is not None else DEFAULT_HEADROOM * float(hw.device.memory_bytes)
     support = {**RUNTIME_SUPPORT, **(allow or {})}
-    key = cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, support)
+    prec = dict(precision or {})
+    key = cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, {**support, "precision": prec})
     cache_dir = cache_dir or os.environ.get("AUTOPAR_PLAN_CACHE")
     hit = _MEMO.get(key) or disk_get(cache_dir, key)
     if hit is not None:
@@ -140,8 +154,33 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
         report = PlanReport.from_dict(hit[1])
         report.search = {**report.search, "cached": True, "seconds": time.perf_counter() - t0}
         return plan, report
-    search = _Search(global_gm, hw, world, pins, limit, global_batch, top_k, optimizer, support, gc)
-    plan, report = search.run()
+    decide = prec.get("offload") is None
+    search = _Search(global_gm, hw, world, pins, limit, global_batch, top_k, optimizer, support, gc,
+                     {**prec, "offload": bool(prec.get("offload"))})
+    try:
+        plan, report = search.run()
+        if decide and search.model.trainable and hw.device.kind != "cpu":
+            plan.notes.append(f"offload: not chosen: the plan fits in device memory without it (peak "
+                              f"{gib(plan.predicted['peak_bytes'])} of {gib(limit)}); host copies and a CPU optimizer "
+                              "step would only slow the step")
+    except ValueError as e:
+        # offload frees device memory only where the device's memory is not the host's
+        if not (decide and search.model.trainable and hw.device.kind != "cpu" and "fits the memory limit" in str(e)):
+            raise
+        # no plan fits on the device: masters and optimizer states on the host (ZeRO-Offload)
+        search2 = _Search(global_gm, hw, world, pins, limit, global_batch, top_k, optimizer, support,
+                          search.model.gc, {**prec, "offload": True}, shared=search.model)
+        try:
+            plan, report = search2.run()
+        except ValueError as e2:
+            raise ValueError(f"{e2} (with masters and optimizer states offloaded to the host; without offload: {e})") \
+                from None
+        copies, step = search2.model.offload_seconds(plan)
+        plan.notes.append(f"offload: chosen, because no plan fits in device memory without it ({e}); with masters "
+                          f"and optimizer states in host memory the plan needs {gib(plan.predicted['peak_bytes'])} "
+                          f"of {gib(limit)}, for {seconds(copies)} of host<->device copies and a {seconds(step)} CPU "
+                          "optimizer step per step")
+        report.notes = (report.notes + [plan.notes[-1]])[:20]
     report.search["seconds"] = time.perf_counter() - t0
     plan.extra["planner"] = _stored(report)
     _MEMO[key] = (plan.to_dict(), report.to_dict())
@@ -159,14 +198,17 @@ def _stored(report: PlanReport) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ the search
 class _Search:
-    def __init__(self, gm, hw, world, pins, limit, global_batch, top_k, optimizer, support, gc):
+    def __init__(self, gm, hw, world, pins, limit, global_batch, top_k, optimizer, support, gc, precision=None,
+                 shared: PlanCostModel | None = None):
         self.gm, self.hw, self.world, self.pins, self.limit = gm, hw, world, pins, limit
         self.top_k = max(1, int(top_k))
         self.support = support
         self.notes: list[str] = []
         self.model = PlanCostModel(gm, hw, world, global_batch=global_batch, optimizer=optimizer,
                                    param_pins=pins.get("param_layouts"), gc=gc,
-                                   bucket_mb=float(pins.get("bucket_mb", 25.0)))
+                                   bucket_mb=float(pins.get("bucket_mb", 25.0)), precision=precision)
+        if shared is not None:  # the same graph and hardware: the sharding ILPs and unit tables carry over
+            self.model.share_tables(shared)
         self.split_pins = list(pins.get("split_points") or [])
         bad = [p for p in self.split_pins if p not in self.model.unit_names]
         if bad:
@@ -471,7 +513,8 @@ class _Search:
         mesh = c.mesh()
         axes = tuple(mesh)
         plan = Plan(mesh=mesh, dp_axis="dp" if "dp" in mesh else None, zero_stage=c.zero if c.dp > 1 else 0,
-                    n_microbatches=c.micro, bucket_mb=float(self.pins.get("bucket_mb", 25.0)))
+                    n_microbatches=c.micro, bucket_mb=float(self.pins.get("bucket_mb", 25.0)),
+                    **self.model.precision)  # what was priced is what runs
         if c.tp > 1:
             info = self.model.sharding(c.tp)
             sol = info.solution
@@ -506,9 +549,15 @@ class _Search:
             "bytes_sent_per_axis": {a: v["bytes_sent"] for a, v in ev.comm.items()},
             "comm_per_axis": ev.comm, "compute_s": ev.compute_s, "bubble": ev.bubble, "recompute_s": ev.recompute_s,
             "optimizer_s": ev.optimizer_s, "peak_bytes_per_pp_rank": ev.rank_peaks,
+            "compute_dtype": self.model.main_dtype, "offload": self.model.offload,
         })
         plan.notes.append(f"joint planner: {c.label()}, predicted step {seconds(ev.step_s)}, peak "
                           f"{gib(ev.peak_bytes)} of {gib(self.limit)} per rank")
+        pr = self.model.precision
+        plan.notes.append(f"precision priced: parameters and compute {pr['param_dtype'] or 'as captured'}, masters "
+                          f"{pr['master_dtype'] or 'none'}, gradient reduction {pr['reduce_dtype'] or 'as the gradients'}"
+                          f", optimizer states {pr['optim_dtype'] or 'as the parameters'}"
+                          + (", masters and optimizer states offloaded to the host" if pr["offload"] else ""))
         plan.notes += report.reasons()
         return plan
 

@@ -17,12 +17,18 @@ Two solvers on that model:
     bound is the larger of two relaxations' optima (the DP with everything rounded down, and
     the MILP's LP relaxation); the reported gap is between plan and bound.
 
+`ladder` / `ladder_choices`: the fixed order in which `autopar.recompute_plan` recomputes
+saveable nodes by default (greedy by seconds per byte freed, a layer's own checkpointing cost
+charged to its first node; norms, pointwise and attention before any GEMM), so that a
+smaller budget never recomputes less.
+
 It reads `node.meta` only through `cost.analyze` and `passes.recompute`. Guarantees: both
 solvers return plans feasible in the model at the given budget (or status "infeasible"), with
 `bound <= cost`; deterministic for a given graph and budget.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass
@@ -30,11 +36,13 @@ from dataclasses import dataclass
 import numpy as np
 
 # the chain model; its public names are importable from here, as callers import them
+from autopar.cost.ops import packet_name
 from autopar.search.recompute_chain import (NO_ACTIVATION, NO_MODULE, SAVEABLE_OPS, ChainModel, Choices,  # noqa: F401
                                             Item, Segment, build_chain, model_cost, model_peak, off_choices,
                                             regions_of)
 
-__all__ = ["Solution", "solve", "solve_dp", "solve_milp", "fill", "NO_ACTIVATION", "NO_MODULE", "SAVEABLE_OPS",
+__all__ = ["Solution", "solve", "solve_dp", "solve_milp", "fill", "ladder", "ladder_choices", "recompute_class",
+           "NO_ACTIVATION", "NO_MODULE", "SAVEABLE_OPS",
            "ChainModel", "Choices", "Item", "Segment", "build_chain", "model_cost", "model_peak", "regions_of"]
 
 
@@ -370,6 +378,78 @@ def _knapsack(s: Segment, rnd, q: int, cache: dict):
         keep.append(k)
     cache[sig] = (g, kb, keep, ws)
     return cache[sig]
+
+
+# ------------------------------------------------------------------------ the monotone ladder
+# what to recompute first: cheap to run again, memory freed per second of recomputation
+# (norms, then pointwise activations and casts, then attention, GEMMs last)
+_NORMS = frozenset({"aten.rms_norm", "aten.layer_norm", "aten.native_layer_norm", "aten._fused_rms_norm",
+                    "aten.rsqrt", "aten.pow", "aten.mean"})
+_ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+                        "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
+                        "aten._scaled_dot_product_cudnn_attention", "aten.softmax", "aten._softmax"})
+_GEMMS = frozenset({"aten.linear", "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul",
+                    "aten.convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten._grouped_mm",
+                    "transformers.grouped_mm_fallback"})
+
+
+def recompute_class(op: str) -> int:
+    """0 norms, 1 pointwise (activations, casts, embedding lookups ...), 2 attention, 3 GEMMs."""
+    p = packet_name(op)
+    return 0 if p in _NORMS else 2 if p in _ATTENTION else 3 if p in _GEMMS else 1
+
+
+def ladder(chain: ChainModel) -> list[list[tuple[str, int]]]:
+    """Every saveable node of every candidate in the order a shrinking budget recomputes them,
+    cut into groups of one node per candidate layer (the bisection unit of
+    `recompute_plan`). The order is greedy by recompute seconds per byte freed, counting for
+    the first node of a layer the layer's own cost of being checkpointed at all (the nodes
+    that are not saveable run again too): cheap, large activations first (norms, pointwise
+    activations), attention later, GEMMs last; ties by that class, then layer order. Layers
+    with nothing saveable come last, whole. A plan recomputes a prefix of the flattened
+    ladder, so a smaller budget never recomputes less (`ladder_choices`)."""
+    cands = chain.candidates
+    nodes = chain.gc.nodes
+    fixed = [max(0.0, s.full_s - sum(it.seconds for it in s.items)) for s in cands]
+    on = [False] * len(cands)
+    heap: list[tuple[bool, float, int, int, int, bool]] = []
+    for si, s in enumerate(cands):
+        for pos, it in enumerate(s.items):
+            c = recompute_class(nodes[it.index].op)
+            heap.append((c == 3, (it.seconds + fixed[si]) / max(it.nbytes, 1.0), c, si, pos, False))
+    heapq.heapify(heap)
+    done: set[tuple[int, int]] = set()
+    flat: list[tuple[str, int]] = []
+    while heap:
+        _g, _k, _c, si, pos, was_on = heapq.heappop(heap)
+        if (si, pos) in done or was_on != on[si]:
+            continue  # a stale key: the layer was switched on since
+        done.add((si, pos))
+        flat.append((cands[si].name, cands[si].items[pos].index))
+        if not on[si]:
+            on[si] = True
+            for p2, it in enumerate(cands[si].items):
+                if (si, p2) not in done:
+                    c = recompute_class(nodes[it.index].op)
+                    heapq.heappush(heap, (c == 3, it.seconds / max(it.nbytes, 1.0), c, si, p2, True))
+    step = max(1, len(cands))
+    out = [flat[i:i + step] for i in range(0, len(flat), step)]
+    whole = [(s.name, -1) for s in cands if not s.items and s.full_s > 0]  # only full or off: last
+    return out + ([whole] if whole else [])
+
+
+def ladder_choices(chain: ChainModel, steps: list[tuple[str, int]]) -> Choices:
+    """The choices that recompute exactly `steps` (a prefix of the flattened ladder): a layer
+    with none of them is off; one with some keeps its other saveable nodes (all of them
+    recomputed: full)."""
+    out: Choices = {s.name: None for s in chain.candidates}
+    gone: dict[str, set[int]] = {}
+    for name, idx in steps:
+        gone.setdefault(name, set()).add(idx)
+    for s in chain.candidates:
+        if s.name in gone:
+            out[s.name] = frozenset(it.index for it in s.items if it.index not in gone[s.name] and -1 not in gone[s.name])
+    return out
 
 
 def solve(chain: ChainModel, budget: float, *, method: str = "auto", time_limit_s: float = 10.0,

@@ -44,7 +44,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.cost import GraphCost, analyze, estimate, evaluate, load_profile, model_states
+from autopar.cost import GraphCost, analyze, estimate, evaluate, load_profile
+from autopar.cost.memory import device_resident, plan_states, resolve_precision
 from autopar.cost.comm import axis_links, collective_time
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import Unit, brief_names, pipeline_units
@@ -216,13 +217,17 @@ def _captured_rows(gm: fx.GraphModule) -> int | None:
     return None
 
 
-def _state_bytes(gc: GraphCost, optimizer, zero_stage: int, dp: int, master_dtype) -> dict[str, float]:
-    if master_dtype == "auto":
-        half = {p.dtype for p in gc.params if p.requires_grad} & {torch.float16, torch.bfloat16}
-        master_dtype = torch.float32 if half else None
-    sb = model_states(gc.params, optimizer, zero_stage=zero_stage if dp > 1 else 0, dp=dp, rank=0,
-                      master_dtype=master_dtype)
-    out = {name: float(sum(row.values())) for name, row in sb.per_param.items()}
+def _state_bytes(gc: GraphCost, optimizer, zero_stage: int, dp: int, master_dtype,
+                 precision: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """Device bytes of each parameter's states (`cost.memory.plan_states`, as the engine keeps
+    them; with offload only what stays on the device). `precision`: Plan fields; None: the
+    model's default recipe ("auto"; master_dtype None: no masters, the captured dtypes)."""
+    prec = resolve_precision(gc.params, precision)
+    if precision is None and master_dtype is None:
+        prec.update(param_dtype=None, master_dtype=None, reduce_dtype=None, optim_dtype=None, loss_scale=None)
+    z = zero_stage if dp > 1 else 0
+    sb = plan_states(gc.params, optimizer, precision=prec, zero_stage=z, dp=dp, rank=0)
+    out = {name: float(sum(device_resident(row, prec["offload"], z)[0].values())) for name, row in sb.per_param.items()}
     for p in gc.params:
         if p.is_buffer:
             out[p.name] = float(p.numel * p.dtype.itemsize)

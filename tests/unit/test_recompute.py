@@ -292,17 +292,18 @@ def test_fast_solver_is_within_5_percent_of_the_exact_milp(name):
         assert fast.bound_s <= exact.cost_s * (1 + 1e-6) + 1e-12  # the DP's bound is a bound
 
 
-def test_solving_a_2000_node_graph_takes_under_10_seconds():
+def test_a_2000_node_graph_is_solved_by_the_chain_dp_and_by_the_default_ladder_within_5_percent():
+    # the time is printed, not asserted (no timed assertions in tests): benchmarks/bench_recompute.py
     gm = autopar.capture(_gpt(layers=38, device="meta"), (torch.zeros(4, 32, dtype=torch.long, device="meta"),))
-    t0 = time.perf_counter()
-    modes, rep = plan_recompute(gm, 0.5)
-    seconds = time.perf_counter() - t0
     n = len(analyze(gm, "cpu-gloo").nodes)
-    print(f"{n} nodes: {seconds:.2f} s, {rep.solver}")
     assert n >= 2000
-    assert seconds < 10.0
-    assert rep.fits and rep.solver["method"] == "dp" and rep.solver["gap"] <= 0.05
-    assert sum(m != "none" for m in modes.values()) >= 10
+    for method in ("dp", "auto"):
+        t0 = time.perf_counter()
+        modes, rep = plan_recompute(gm, 0.5, method=method)
+        print(f"{n} nodes, {method}: {time.perf_counter() - t0:.2f} s, {rep.solver}")
+        assert rep.fits and rep.solver["method"] == ("dp" if method == "dp" else "ladder")
+        assert rep.solver["gap"] <= 0.05
+        assert sum(m != "none" for m in modes.values()) >= 10
 
 
 # ------------------------------------------------------------------------ collectives
