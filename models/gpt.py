@@ -40,6 +40,7 @@ class GPTConfig:
     rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # lm_head.weight is tok_emb.weight
+    dropout: float = 0.0  # nanoGPT's: embeddings, attention probabilities, each residual branch; 0 adds no op
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -124,6 +125,11 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, :, None, :].expand(B, T, KV, n_rep, hd).reshape(B, T, KV * n_rep, hd)
 
 
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    # no op at all when p == 0, so a model without dropout captures the same graph as before
+    return F.dropout(x, p, training) if p > 0 else x
+
+
 # ----------------------------------------------------------------------------- blocks
 
 
@@ -137,6 +143,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.dropout = getattr(config, "dropout", 0.0)  # the MoE model shares this class
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -147,22 +154,26 @@ class Attention(nn.Module):
         k = repeat_kv(k, self.n_heads // self.n_kv_heads)  # (B, T, H, hd)
         v = repeat_kv(v, self.n_heads // self.n_kv_heads)  # (B, T, H, hd)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        if self.dropout > 0 and self.training:  # dropout on the attention probabilities
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)  # (B, H, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, C)
-        return self.wo(y)
+        return _dropout(self.wo(y), self.dropout, self.training)
 
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x). w1 is the gate, w3 the up projection, w2 the down."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
         super().__init__()
+        self.dropout = dropout
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (..., hidden) -> (..., dim)
+        return _dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.dropout, self.training)  # (..., dim)
 
 
 class Block(nn.Module):
@@ -171,7 +182,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.ffn = FeedForward(config.dim, config.ffn_dim)
+        self.ffn = FeedForward(config.dim, config.ffn_dim, config.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, C)
@@ -225,7 +236,7 @@ class GPT(nn.Module):
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; raise max_seq_len in the config")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd)
-        x = self.tok_emb(idx)  # (B, T, C)
+        x = _dropout(self.tok_emb(idx), self.config.dropout, self.training)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin)  # (B, T, C)
         x = self.norm(x)  # (B, T, C)

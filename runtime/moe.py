@@ -52,7 +52,7 @@ import torch.distributed as dist
 from . import collectives as C
 from .collective_errors import issue
 from ._torch_compat import pytree
-from .program import Program
+from .program import Program, evaluate
 
 
 # --- routing ------------------------------------------------------------------------------
@@ -287,7 +287,9 @@ class ExpertProgram(Program):
 
     `expert_params`: names of parameters that differ between ep ranks; the others are
     broadcast from ep index 0 when `sync_init`. The engine is told that the expert parameters
-    are sharded over ep (`model_parallel`), so a global gradient norm counts every expert once."""
+    are sharded over ep (`model_parallel`), so a global gradient norm counts every expert once.
+    `evaluate` averages the loss over dp and ep; the dropout stream is seeded per ep index too
+    (ep ranks see different rows: runtime/rng.py)."""
 
     def __init__(self, module, mesh, *, ep_axis: str = "ep", expert_params=(), sync_init: bool = True,
                  engine_options: dict | None = None, **kw):
@@ -326,6 +328,10 @@ class ExpertProgram(Program):
             return t[idx * k:(idx + 1) * k]
 
         return pytree.tree_map(take, batch)
+
+    def evaluate(self, batch, loss_fn) -> torch.Tensor:
+        """`Program.evaluate`, the loss averaged over dp and ep (both split the batch)."""
+        return evaluate(self, batch, loss_fn, self.dp_axis, self.ep_axis)
 
     def step(self, batch, loss_fn, n_microbatches: int = 1) -> torch.Tensor:
         loss = super().step(batch, loss_fn, n_microbatches)

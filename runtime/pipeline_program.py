@@ -13,6 +13,10 @@ one data-parallel engine per stage.
   * `forward(*inputs)` / `__call__` runs the stages in order for inference (no autograd
     across stages): the rank of stage 0 needs the inputs, every pp rank returns the output
     (sent on from the last stage's rank).
+  * `train()` / `eval()` switch the stages' dropout and batch norm (each stage runs inside
+    `self.rng.fork(self.training)`, runtime/rng.py; the stream is seeded per pp stage, so
+    stages draw independent masks); `evaluate(batch, loss_fn)` is the no-grad loss of a global
+    batch on every rank, averaged over dp.
   * `engine` is a `PipelineEngines`: `make_optimizer(cls, **kw)` builds one optimizer over
     every local stage's engine (what `autopar.optimizer` calls), plus `zero_grad`,
     `clip_grad_norm_` (norm over every stage, pp rank and dp shard; a tied weight counted
@@ -42,6 +46,8 @@ from .collective_errors import issue, where
 from ._torch_compat import pytree
 from .mesh import Mesh
 from .pipeline import PipelineExecutor
+from .program import evaluate
+from .rng import RNGTracker
 from .schedules import Schedule, make_schedule
 from .zero import broadcast_module, make_engine
 from .zero_engine import local_norm_parts, reduce_norm_parts
@@ -111,6 +117,7 @@ class PipelineProgram(nn.Module):
         engines = {s: make_engine(stages[s], mesh, self.dp_axis, zero_stage, bucket_mb, **opts) for s in mine}
         self.engine = PipelineEngines(engines, mesh, pp_axis, self.dp_axis, self.tied)
         self._executors: dict[int, PipelineExecutor] = {}
+        self.rng = RNGTracker.for_mesh(mesh, self.dp_axis)  # dropout masks (pp stages apart): runtime/rng.py
 
     @property
     def module(self) -> nn.Module:
@@ -204,7 +211,7 @@ class PipelineProgram(nn.Module):
         tgts = _split(targets, m, "the local batch's targets") if holds_last else None
         self.steps_run = getattr(self, "steps_run", 0) + 1
         try:
-            with where(f"step {self.steps_run}"):
+            with where(f"step {self.steps_run}"), self.rng.fork(self.training):
                 loss = ex.step(mbs, tgts)
         finally:
             ex.loss_fn = self._no_loss
@@ -234,12 +241,18 @@ class PipelineProgram(nn.Module):
                 elif me == r:
                     vals = self._recv(place[s - 1])
             if r == me:
-                out = self.stages[str(s)](*vals)
+                with self.rng.fork(self.training):  # dropout / batch norm follow pm.train() / pm.eval()
+                    out = self.stages[str(s)](*vals)
                 vals = [out] if isinstance(out, torch.Tensor) else list(out)
         last = place[-1]
         if self.pp > 1:
             vals = self._broadcast(vals if me == last else None, last)
         return self._unflatten(vals)
+
+    def evaluate(self, batch: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
+        """The loss of one global batch without gradients, in the program's mode (`pm.eval()`
+        first), on every rank, averaged over dp as `step` does (`runtime.program.evaluate`)."""
+        return evaluate(self, batch, loss_fn, self.dp_axis)
 
     def _group(self):
         return self.mesh.group(self.pp_axis)
