@@ -26,8 +26,11 @@ from autopar.cost.hardware import default_profile
 from autopar.input_checks import check_captured_graph, check_example_inputs, check_step_batch, explain_capture_failure
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
+from autopar.passes.context_attention import context_attention
+from autopar.passes.context_positions import context_positions
 from autopar.passes.expert import expert
 from autopar.passes.fuse import fuse
+from autopar.passes.mark_random import mark_random
 from autopar.passes.plan import Plan
 from autopar.passes.recompute import recompute
 from autopar.passes.retarget_device import retarget_device
@@ -39,6 +42,7 @@ from autopar.runtime.mesh import Mesh, make_mesh, planning_group
 from autopar.runtime.placement import Layout, Replicate, Shard
 from autopar.runtime.program import Program
 from autopar.runtime.zero_plain_optim import named_masters
+from autopar.search.context import plan_context
 from autopar.search.fusion import search_fusions
 from autopar.search.shard_search import SHARD_AXES, batch_is_static, search_sharding
 
@@ -101,6 +105,19 @@ class ParallelModel(nn.Module):
         check_step_batch(batch, self.global_graph, self.mesh, dp_axis=self._plan.dp_axis, n_microbatches=n)
         return self.program.step(batch, loss_fn, n)
 
+    def evaluate(self, batch, loss_fn) -> torch.Tensor:
+        """The loss of one global batch `(inputs, targets)` without gradients, averaged over the
+        data-parallel ranks as `step` does. Call `pm.eval()` first to evaluate as
+        `model.eval()` would (dropout off, batch norm on its running statistics, untouched):
+        `pm.train()` / `pm.eval()` switch every program kind (runtime/rng.py)."""
+        check_step_batch(batch, self.global_graph, self.mesh, dp_axis=self._plan.dp_axis, n_microbatches=1)
+        return self.program.evaluate(batch, loss_fn)
+
+    def manual_seed(self, seed: int) -> None:
+        """Re-seed the program's dropout streams (runtime/rng.py; give every rank the same seed):
+        dp ranks and pp stages still draw different masks, tp peers the same on replicated tensors."""
+        self.program.rng.manual_seed(seed)
+
     def plan_text(self) -> str:
         from autopar.tools.report import plan_text
 
@@ -147,7 +164,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                 dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None,
                 memory_budget: float | int | None = None, memory_limit: float | None = None,
                 weights: Any = None, strict_weights: bool = True, precision: str | None = None,
-                offload: bool | None = None) -> ParallelModel:
+                offload: bool | None = None, context_method: str = "auto") -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -188,6 +205,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             `plan.predicted` both read; pins / a given plan's fields are overridden by it.
         offload: True keeps masters and optimizer states in CPU memory and steps there
             (ZeRO-Offload; any ZeRO stage). Default None: the plan's `offload` (False).
+        context_method: on a mesh with a `cp` axis (context parallelism: each rank holds a
+            zigzag chunk of every sequence), how attention sees the whole sequence: "ring"
+            (K/V blocks around the ring, overlapped), "ulysses" (all-to-all to heads and back)
+            or "auto" (the cost model's choice; `plan.extra["context"]` says why).
     """
     from autopar.passes.plan import engine_options as precision_options  # noqa: PLC0415
     from autopar.passes.plan import precision_fields  # noqa: PLC0415
@@ -213,7 +234,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
 
     def _capture(a, kw):
         try:
-            return capture(model, a, example_kwargs=kw, leaf_modules=leaf_modules, device=run_device)
+            return capture(model, a, example_kwargs=kw, leaf_modules=leaf_modules, device=run_device,
+                           dynamic_seq=mesh.size("cp") > 1)
         except CaptureError:
             why = explain_capture_failure(model, example_inputs)
             if why is None:
@@ -224,7 +246,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
         global_gm = _capture(args, kwargs)
         plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), pins, zero_stage, bucket_mb, n_microbatches, hardware,
-                                 memory_limit)
+                                 memory_limit, precision_pins)  # offload None: the planner decides
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
         fusions_pinned = True  # so are the fusions (chosen by the planner)
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
@@ -247,6 +269,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         if not getattr(mesh, "searched", False):
             check_mesh_fits(global_gm, mesh)
         stamp(plan, global_gm)
+    if mesh.size("cp") > 1 and "context" not in plan.extra:
+        plan.extra["context"] = plan_context(global_gm, dict(mesh.sizes), context_method, hardware or _hardware(mesh))
+        plan.notes += plan.extra["context"]["notes"]
     local_gm = _fresh(global_gm)
     if dp > 1 and batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
@@ -279,7 +304,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     plan.notes += [n for n in axis_notes(plan) if n not in plan.notes]
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
                       options={"device": mesh.device})
-    pm = PassManager([retarget_device, split_batch, shard, expert, sync_batchnorm, zero, fuse], dump_dir=dump_dir)
+    pm = PassManager([retarget_device, split_batch, context_positions, shard, context_attention, expert,
+                      sync_batchnorm, mark_random, zero, fuse], dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
         from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
@@ -324,7 +350,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
                           in_spec=global_gm.meta.get("autopar_in_spec"),
                           out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
-                          engine_options=engine_options)
+                          engine_options=engine_options, cp_axis=plan.extra.get("context", {}).get("axis"))
     if on_meta or weights is not None:
         report = materialize(program.engine, mesh, model, weights, **model_tensors(global_gm, plan),
                              strict=strict_weights)
@@ -381,11 +407,11 @@ def sampler(dataset, mesh: Mesh, *, shuffle: bool = True, seed: int = 0, drop_la
 
 # --- helpers -----------------------------------------------------------------------------
 def _default_plan(mesh: Mesh, plan, pins, zero_stage, bucket_mb, n_microbatches) -> Plan:
-    others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "pp", "ep") + SHARD_AXES and s > 1}
+    others = {a: s for a, s in mesh.sizes.items() if a not in ("dp", "pp", "ep", "cp") + SHARD_AXES and s > 1}
     if plan is None:
         if others:
-            raise ValueError(f"{mesh} has axes {others}; this version parallelises over dp, tp, pp and ep. "
-                             "Use autopar.mesh(dp=N, tp=M, pp=K, ep=E)")
+            raise ValueError(f"{mesh} has axes {others}; this version parallelises over dp, tp, pp, ep and cp. "
+                             "Use autopar.mesh(dp=N, tp=M, pp=K, ep=E, cp=C)")
         plan = Plan(mesh=dict(mesh.sizes), dp_axis="dp" if "dp" in mesh.sizes else None)
         if mesh.size("dp") > 1:
             plan.notes.append(f"data parallel over dp={mesh.size('dp')}: the batch is split along dim 0")
@@ -401,7 +427,8 @@ def _hardware(mesh: Mesh) -> str:
     return default_profile(mesh.device_type)
 
 
-def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware, memory_limit):
+def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware, memory_limit,
+                precision=None):
     """Rank 0 plans and broadcasts: every rank carries out the same plan or raises the same error."""
     from autopar.search.planner import plan_for  # noqa: PLC0415
 
@@ -412,7 +439,7 @@ def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_micr
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             plan, _report = plan_for(global_gm, mesh.world_size, hardware or _hardware(mesh), pins=all_pins,
-                                     memory_limit=memory_limit, global_batch=rows)
+                                     memory_limit=memory_limit, global_batch=rows, precision=precision)
             box = [plan.to_json()]
         except ValueError as e:
             box = [{"error": str(e)}]

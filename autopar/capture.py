@@ -48,7 +48,7 @@ class CaptureError(RuntimeError):
 
 
 def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kwargs: dict | None = None,
-            leaf_modules: Iterable[str] = (), dynamic_batch: bool = True,
+            leaf_modules: Iterable[str] = (), dynamic_batch: bool = True, dynamic_seq: bool = False,
             dynamic_shapes: Any = None, paths: Sequence[str] = ("export", "symbolic_trace", "make_fx"),
             device: str | torch.device | None = None) -> fx.GraphModule:
     """Capture `model` on `example_inputs` as a normalised ATen-level GraphModule.
@@ -59,6 +59,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
         example_kwargs: keyword inputs, if the forward takes any.
         leaf_modules: module paths to keep opaque (one node each).
         dynamic_batch: mark dim 0 of every tensor input as dynamic (when export can keep it).
+        dynamic_seq: also mark dim 1 of every input of 2 or more dims (the sequence) as dynamic:
+            context parallelism runs the graph on each rank's chunk of the sequence.
         dynamic_shapes: passed to torch.export as is (overrides dynamic_batch).
         paths: the capture paths to try, in order.
         device: for a model on the meta device, the device it will run on: the model is traced
@@ -75,8 +77,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
         if device is not None:  # capture as it will run: fake tensors of the run's device
             with _fake_on(model, torch.device(device)) as to_fake:
                 gm = capture(model, pytree.tree_map(to_fake, args), example_kwargs=pytree.tree_map(to_fake, kwargs),
-                             leaf_modules=leaf_modules, dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes,
-                             paths=paths)
+                             leaf_modules=leaf_modules, dynamic_batch=dynamic_batch, dynamic_seq=dynamic_seq,
+                             dynamic_shapes=dynamic_shapes, paths=paths)
             _restore_meta(gm, model)
             return gm
         args, kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -94,7 +96,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
             t0 = time.perf_counter()
             try:
                 if path == "export":
-                    gm, in_spec, out_spec = _via_export(model, args, kwargs, dynamic_batch, dynamic_shapes)
+                    gm, in_spec, out_spec = _via_export(model, args, kwargs, dynamic_batch, dynamic_shapes, dynamic_seq)
                 elif path == "symbolic_trace":
                     gm, in_spec, out_spec = _via_symbolic_trace(model, args, kwargs, leaf_modules)
                 elif path == "make_fx":
@@ -186,19 +188,19 @@ def _training_config(model: nn.Module):
 
 
 # --- paths -------------------------------------------------------------------------------
-def _batch_dims(args, kwargs):
+def _batch_dims(args, kwargs, seq: bool = False):
     def spec(x):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return {0: Dim.AUTO}
+            return {0: Dim.AUTO, 1: Dim.AUTO} if seq and x.dim() > 1 else {0: Dim.AUTO}
         return None
 
     return (pytree.tree_map(spec, args, is_leaf=lambda x: isinstance(x, torch.Tensor)),
             pytree.tree_map(spec, kwargs, is_leaf=lambda x: isinstance(x, torch.Tensor)))
 
 
-def _via_export(model, args, kwargs, dynamic_batch, dynamic_shapes):
+def _via_export(model, args, kwargs, dynamic_batch, dynamic_shapes, dynamic_seq=False):
     if dynamic_shapes is None and dynamic_batch:
-        a, k = _batch_dims(args, kwargs)
+        a, k = _batch_dims(args, kwargs, dynamic_seq)
         dynamic_shapes = (*a, *([k] if k else [])) if not kwargs else {**dict(zip(_arg_names(model, len(args)), a)), **k}
     ep = torch.export.export(model, args, kwargs or None, strict=False, dynamic_shapes=dynamic_shapes)
     unlifted = ep.module()

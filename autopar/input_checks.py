@@ -149,6 +149,7 @@ def check_example_inputs(example_inputs: Any, mesh, plan=None, *, n_microbatches
         if key in _ID_NAMES and (t.is_floating_point() or t.is_complex()):
             raise ValueError(f"{name} is {_desc(t)}, but {key} are token ids, which are integers; pass "
                              f"{name}.long()")
+    check_sequence_split(tensors, mesh)
     dp_axis = getattr(plan, "dp_axis", "dp") if plan is not None else ("dp" if "dp" in mesh.sizes else None)
     micro = plan.n_microbatches if plan is not None else (n_microbatches or 1)
     if plan is None and getattr(mesh, "searched", False):
@@ -391,6 +392,25 @@ def check_step_batch(batch: Any, global_gm, mesh, *, dp_axis: str | None = "dp",
     for name, t in tgt:
         if t.device.type == "meta":
             raise ValueError(f"{name} is on the meta device: step trains on real data; pass targets on {mesh_dev}")
+    check_sequence_split([(n, x) for n, x in named if isinstance(x, torch.Tensor)] + tgt, mesh)
+
+
+def check_sequence_split(tensors: list[tuple[str, torch.Tensor]], mesh) -> None:
+    """Under context parallelism (a cp axis > 1) the sequence (dim 1 of the first input of 2+
+    dims) splits into 2 x cp equal zigzag chunks, and every tensor of the batch with that many
+    tokens in dim 1 is split with it."""
+    sizes = getattr(mesh, "sizes", {}) or {}
+    cp = sizes.get("cp", 1)
+    seq = [(n, t) for n, t in tensors if t.dim() > 1]
+    if cp < 2 or not seq:
+        return
+    name, t = seq[0]
+    n = t.shape[1]
+    if n % (2 * cp):
+        good = 2 * cp * max(1, -(-n // (2 * cp)))
+        raise ValueError(f"{name} has a sequence of {n} tokens (dim 1), which does not split into 2 x cp = {2 * cp} "
+                         f"equal chunks (context parallelism gives each cp rank two of them, zigzag); use a "
+                         f"sequence length that is a multiple of {2 * cp} (e.g. pad to {good})")
 
 
 def _shape_text(t: torch.Tensor) -> str:

@@ -51,3 +51,46 @@ def default_store():
         return None
 
 __all__ += ["default_store"]
+
+
+# Attention blocks with their log-sum-exp (runtime/context_attention.py): ring attention merges
+# per-block results through the log-sum-exp, which public F.scaled_dot_product_attention does not
+# return; the fused SDPA kernels that do are underscore aten ops. Dropout is always 0 here.
+def sdpa_block_kernel(q: torch.Tensor) -> str | None:
+    """Which fused SDPA-with-lse kernel fits a (B, H, T, D) block of `q`'s device and dtype:
+    "cpu_flash", "cuda_flash" (fp16/bf16, D % 8 == 0, D <= 256), or None (use plain math)."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "cpu_flash" if q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16) else None
+    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) % 8 == 0
+            and q.size(-1) <= 256 and hasattr(aten, "_scaled_dot_product_flash_attention")):
+        return "cuda_flash"
+    return None
+
+
+def sdpa_block_forward(q, k, v, is_causal: bool, scale: float):
+    """(out in q's dtype, lse (B, H, Tq): fp32, fp64 for fp64 on the CPU) of one block; q, k, v
+    (B, H, T, D) with equal heads; causal is the top-left lower triangle (square blocks)."""
+    aten = torch.ops.aten
+    if sdpa_block_kernel(q) == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=None, scale=scale)
+    r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return r[0], r[1]
+
+
+def sdpa_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the output and log-sum-exp of the whole row (the kernel
+    forms P = exp(S * scale - lse) and rowsum(dout * out) from them, so a block's share of the
+    gradient comes out when they are the merged ones)."""
+    aten = torch.ops.aten
+    if sdpa_block_kernel(q) == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, is_causal,
+                                                                          attn_mask=None, scale=scale)
+    # no dropout: the kernel does not read the rng state; no varlen: no cumulative lengths
+    # (empty, not zeros: uint64 has no fill kernel on every device)
+    rng = torch.empty(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty((), dtype=torch.uint64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, None, None, q.size(2), k.size(2),
+                                                             0.0, is_causal, rng, unused, scale=scale)
+
+__all__ += ["sdpa_block_kernel", "sdpa_block_forward", "sdpa_block_backward"]

@@ -53,7 +53,7 @@ def axis_index(axis: str) -> int:
     """This rank's index along `axis` of the active mesh."""
     mesh = active_mesh()
     if _ACTIVE_RANK is not None:
-        return mesh.coords(_ACTIVE_RANK).get(axis, 0)
+        return mesh.index(axis, _ACTIVE_RANK)
     if not dist.is_initialized():
         raise ValueError(f"axis {axis!r}: this rank's index is unknown without a process group; "
                          "pass rank= to set_active_mesh for shape propagation of uneven dims")

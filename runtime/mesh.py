@@ -4,7 +4,10 @@ A `Mesh` is first a shape (`{"dp": 2, "tp": 2}`), usable for planning without an
 (64 or 16k ranks on one laptop). When the job is running (`torch.distributed` initialised),
 `Mesh.device_mesh` builds PyTorch's `DeviceMesh` over it, and `group(axis)` returns the
 process group of this rank along an axis. Rank layout is row-major over the axes in order:
-the last axis varies fastest (put `tp` last so that it stays inside a node).
+the last axis varies fastest (put `tp` last so that it stays inside a node). A joined axis
+name, "dp+cp", stands for the ranks that differ only along its parts (size, index, ranks and
+group as one axis): context-parallel ranks hold the same parameters as data-parallel ones, so
+gradients and ZeRO shards live on "dp+cp".
 
 Guarantees: the product of the axis sizes equals the world size whenever a process group
 exists; axis names are unique; errors name the sizes and say how to fix them; the axis groups
@@ -39,6 +42,7 @@ class Mesh:
     sizes: dict[str, int]
     device_type: str = "cpu"
     _device_mesh: object = field(default=None, repr=False, compare=False)
+    _joined: dict = field(default_factory=dict, repr=False, compare=False)  # "dp+cp" -> this rank's group
 
     def __post_init__(self):
         if not self.sizes:
@@ -60,9 +64,46 @@ class Mesh:
         return n
 
     def size(self, axis: str) -> int:
+        """The axis' size: 1 for an absent axis; the product of its parts for a joined axis."""
+        if "+" in axis:
+            n = 1
+            for part in self.parts(axis):
+                n *= self.size(part)
+            return n
         if axis not in self.sizes:
             return 1
         return self.sizes[axis]
+
+    def has_axis(self, axis: str) -> bool:
+        """Whether `axis` names an axis of this mesh, or joins some of them ("dp+cp")."""
+        if "+" in axis:
+            try:
+                self.parts(axis)
+            except ValueError:
+                return False
+            return True
+        return axis in self.sizes
+
+    def parts(self, axis: str) -> tuple[str, ...]:
+        """The axes a joined axis name stands for: "dp+cp" -> ("dp", "cp"), the ranks that
+        differ only in dp and cp (gradients of parameters replicated over both are averaged
+        over them). A joined name lists axes of this mesh in mesh order."""
+        names = tuple(axis.split("+"))
+        order = [a for a in self.axis_names if a in names]
+        if len(set(names)) != len(names) or tuple(order) != names:
+            raise ValueError(f"joined axis {axis!r} must list distinct axes of {self} in mesh order "
+                             f"({'+'.join(order) or 'none of them exist'})")
+        return names
+
+    def index(self, axis: str, rank: int) -> int:
+        """`rank`'s index along `axis` (row-major over a joined axis' parts; 0 when absent)."""
+        c = self.coords(rank)
+        if "+" not in axis:
+            return c.get(axis, 0)
+        i = 0
+        for part in self.parts(axis):
+            i = i * self.sizes[part] + c[part]
+        return i
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along every axis (row-major, last axis fastest)."""
@@ -82,6 +123,11 @@ class Mesh:
     def axis_ranks(self, axis: str, rank: int) -> list[int]:
         """The global ranks in `rank`'s group along `axis`, in axis order."""
         c = self.coords(rank)
+        if "+" in axis:
+            out = [c]
+            for part in self.parts(axis):
+                out = [{**o, part: i} for o in out for i in range(self.sizes[part])]
+            return [self.rank_of(o) for o in out]
         return [self.rank_of({**c, axis: i}) for i in range(self.sizes[axis])]
 
     def __str__(self) -> str:
@@ -107,15 +153,33 @@ class Mesh:
 
     def group(self, axis: str):
         """This rank's process group along `axis`."""
+        if "+" in axis:
+            return self._joined_group(axis)
         if axis not in self.sizes:
             raise ValueError(f"{self} has no axis {axis!r}; its axes are {list(self.axis_names)}")
         return self.device_mesh.get_group(axis)
 
+    def _joined_group(self, axis: str):
+        # made once per joined axis, collectively (every rank makes every group, in order);
+        # the program asks for it while it is built, at the same point on every rank
+        made = self._joined.get(axis)
+        if made is None:
+            self.device_mesh  # noqa: B018 - the axis groups first, in the same order everywhere
+            lines = sorted({tuple(self.axis_ranks(axis, r)) for r in range(self.world_size)})
+            me, made = dist.get_rank(), None
+            for ranks in lines:
+                g = dist.new_group(list(ranks), timeout=group_timeout(self.device_type),
+                                   backend="gloo" if self.device_type == "cpu" else None)
+                if me in ranks:
+                    made = g
+            self._joined[axis] = made
+        return made
+
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis` (0 when the axis is absent)."""
-        if axis not in self.sizes:
+        if axis not in self.sizes and "+" not in axis:
             return 0
-        return self.coords(dist.get_rank())[axis]
+        return self.index(axis, dist.get_rank())
 
     @property
     def device(self) -> torch.device:

@@ -125,7 +125,7 @@ def make_engine(module: nn.Module, mesh, axis: str | None, stage: int = 0, bucke
         raise ValueError(f"unknown make_engine options {bad} for stage {stage}; valid: {sorted(allowed)}{extra}")
     if axis is None:
         axis = "_none"  # Mesh.size of an absent axis is 1: nothing is communicated
-    elif axis not in mesh.sizes:
+    elif not mesh.has_axis(axis):
         raise ValueError(f"{mesh} has no axis {axis!r}; its axes are {list(mesh.axis_names)}")
     if stage == 3:
         return ShardedEngine(module, mesh, axis, bucket_mb, **options)

@@ -39,7 +39,7 @@ from autopar.runtime.placement import Partial, Shard
 __all__ = ["PlanMismatchError", "check_plan_against_graph", "check_mesh_fits", "axis_notes", "stamp",
            "RUN_AXES", "tp_sizes_that_fit"]
 
-RUN_AXES = ("pp", "dp", "ep", "tp")  # the axes this version carries out (runtime/mesh.py knows cp too)
+RUN_AXES = ("pp", "dp", "ep", "cp", "tp")  # the axes this version carries out
 _MAX_LISTED = 8
 
 
@@ -137,6 +137,10 @@ def check_mesh_fits(global_gm: fx.GraphModule, mesh: Any) -> None:
     ep = sizes.get("ep", 1)
     if ep > 1:
         problems += _ep_problems(global_gm, ep, sizes)
+    cp = sizes.get("cp", 1)
+    if cp > 1 and (pp > 1 or ep > 1):
+        problems.append(f"cp={cp} with {'pp' if pp > 1 else 'ep'} is not wired yet (context parallelism runs with dp, "
+                        "ZeRO and tp); put those ranks on dp or tp")
     if problems:
         raise ValueError(f"mesh {_mesh_text(sizes)} does not fit the model: " + "; ".join(problems))
 
@@ -265,6 +269,10 @@ def check_plan_against_graph(plan: Plan, global_gm: fx.GraphModule, mesh: Any) -
     ep = sizes.get("ep", 1)
     if ep > 1:
         problems += _ep_problems(global_gm, ep, sizes)
+    cp = sizes.get("cp", 1)
+    if cp > 1 and (pp > 1 or ep > 1):
+        problems.append(f"cp={cp} with {'pp' if pp > 1 else 'ep'} is not wired yet (context parallelism runs with dp, "
+                        "ZeRO and tp); put those ranks on dp or tp")
     expert = plan.extra.get("expert") if isinstance(plan.extra, dict) else None
     if isinstance(expert, Mapping) and isinstance(expert.get("blocks"), Mapping):
         paths = _module_paths(global_gm)

@@ -129,7 +129,8 @@ def parse_mesh(text: str) -> dict[str, int]:
                              f"(got {part!r})")
         axis = axis.strip()
         if axis not in KNOWN_AXES:
-            what = " (context parallelism is not carried out by this version)" if axis == "cp" else ""
+            what = (" (context parallelism runs through autopar.parallelize on a mesh with a cp axis; the command "
+                    "line does not plan it yet)") if axis == "cp" else ""
             raise ValueError(f"--mesh {text!r}: axis {axis!r} is not one this version runs{what}; the axes are "
                              f"{', '.join(KNOWN_AXES)}")
         if axis in out:
