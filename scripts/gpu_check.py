@@ -15,6 +15,8 @@ Sections, each a row (or rows) of the table, each OK or FAIL with the reason:
            eager's (same seed and batch).
 * api      parallelize + step + optimizer + checkpoint save / load + export_state_dict of a
            small GPT on the GPU (ZeRO-3): the loss after load equals the loss before save.
+* context  context-parallel attention at cp=1 (a ring of one): the ring's fused and math block
+           kernels, Ulysses and packed documents, forward and backward in bf16, against SDPA.
 * hf       a transformers LlamaForCausalLM (bf16) through parallelize: loss against eager,
            step time against eager.
 * cli      `autopar plan`, `dump`, `run` (torchrun, NCCL), `tune` (torchrun, NCCL),
@@ -346,6 +348,56 @@ def check_api(ctx: Ctx) -> None:
             f"parameters on {devices}")
 
 
+# ------------------------------------------------------------------------ context parallel, ring of one
+def check_context(ctx: Ctx) -> None:
+    """runtime/context_attention.py at cp=1 on the device: the ring's block kernels (fused SDPA
+    with log-sum-exp on the GPU; the math path) and Ulysses, forward and backward, causal, GQA,
+    bf16, against F.scaled_dot_product_attention; packed documents against a masked SDPA."""
+    import torch.nn.functional as F
+
+    from autopar.runtime.active_mesh import set_active_mesh
+    from autopar.runtime.context_attention import doc_ids_from_positions, ring_attention, set_block_kernel, \
+        ulysses_attention
+    from autopar.runtime.mesh import make_mesh
+
+    set_active_mesh(make_mesh(cp=1, device_type=ctx.device.type))
+    b, hq, hkv, t, d = (1, 4, 2, 64, 32) if ctx.dry else (2, 16, 4, 4096, 128)
+    dtype = torch.float32 if ctx.dry else torch.bfloat16
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, device=ctx.device, dtype=dtype, generator=g).requires_grad_()
+               for h in (hq, hkv, hkv))
+    dout = torch.randn(b, hq, t, d, device=ctx.device, dtype=dtype, generator=g)
+    pos = torch.cat([torch.arange(t // 2), torch.arange(t - t // 2)]).to(ctx.device).expand(b, t)
+    doc = doc_ids_from_positions(pos)
+    allowed = torch.ones(t, t, dtype=torch.bool, device=ctx.device).tril() & (doc[:, None, :, None] == doc[:, None, None, :])
+
+    def run(fn, **kw):
+        for x in (q, k, v):
+            x.grad = None
+        out = fn(q, k, v, **kw)
+        out.backward(dout)
+        ctx.sync()
+        return out.detach(), *(x.grad.clone() for x in (q, k, v))
+
+    def ref(mask=None):
+        return run(lambda a, b_, c, **_: F.scaled_dot_product_attention(a, b_, c, attn_mask=mask, is_causal=mask is None,
+                                                                        enable_gqa=True))
+
+    tol = 1e-4 if ctx.dry else 3e-2
+    for name, fn, kw, mask in (("ring fused", ring_attention, {}, None), ("ring math", ring_attention, {}, None),
+                               ("ulysses", ulysses_attention, {}, None),
+                               ("ring packed documents", ring_attention, {"doc": doc}, allowed)):
+        set_block_kernel("math" if name == "ring math" else "auto")
+        want = ref(mask)
+        t0 = time.perf_counter()
+        got = run(fn, axis="cp", is_causal=True, **kw)
+        seconds = time.perf_counter() - t0
+        err = max(float((a.float() - w.float()).abs().max() / max(1.0, float(w.float().abs().max()))) for a, w in zip(got, want))
+        ctx.add("context", f"{name} (cp=1, {str(dtype).replace('torch.', '')})", err <= tol,
+                f"max relative error over out, dq, dk, dv {err:.2e} (tolerance {tol:g})", seconds=seconds)
+    set_block_kernel("auto")
+
+
 # ------------------------------------------------------------------------ transformers Llama
 def check_hf(ctx: Ctx) -> None:
     import transformers
@@ -472,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="the same checks on the CPU at tiny sizes")
     p.add_argument("--out", default=None, help="table file (default $OUT/gpu_check.txt, else out/gpu_check.txt)")
     p.add_argument("--skip", default="", help="comma list of sections or CLI commands to skip: "
-                                              "kernels,train,api,hf,cli,tune,demo")
+                                              "kernels,train,api,context,hf,cli,tune,demo")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not a.dry_run:
@@ -494,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
                            world_size=1)
     try:
         for section, fn in (("kernels", check_kernels), ("train", check_training), ("api", check_api),
-                            ("hf", check_hf)):
+                            ("context", check_context), ("hf", check_hf)):
             if section not in ctx.skip:
                 _guard(ctx, section, section, lambda f=fn: f(ctx))
     finally:

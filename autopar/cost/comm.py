@@ -205,3 +205,21 @@ def axis_links(hardware: Hardware, mesh: Mapping[str, int]) -> dict[str, AxisLin
         eff = hardware.eff("inter_node" if inter else "intra_node")
         out[axis] = AxisLink(axis, size, link, eff, inter)
     return out
+
+
+def joined_data_axis(hardware: Hardware, mesh: Mapping[str, int], dp_axis: str | None, cp_axis: str,
+                     links: Mapping[str, AxisLink]) -> tuple[str, int, dict[str, AxisLink]]:
+    """Context parallelism: ranks along dp and cp hold the same parameters, so gradients and ZeRO
+    shards live on the joined axis "dp+cp" (runtime.mesh.Mesh.parts). Returns its name, size and
+    `links` with its link: that of the mesh with dp and cp merged into one axis in dp's place
+    (cp follows dp in the axis order, so the ranks are the same)."""
+    names = [a for a in mesh if a in (dp_axis, cp_axis)]
+    joined = "+".join(names)
+    size = math.prod(mesh[a] for a in names)
+    merged: dict[str, int] = {}
+    for a, k in mesh.items():
+        if a in names:
+            merged.setdefault(joined, size)
+        else:
+            merged[a] = k
+    return joined, size, {**links, joined: axis_links(hardware, merged)[joined]}

@@ -80,6 +80,7 @@ from . import comm as C
 from .estimate_report import CommReport, Estimate, LayerReport
 from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
+from .comm import joined_data_axis
 from .memory import (OptimizerSpec, StateBytes, device_resident, liveness, model_states, offload_step_seconds,
                      padded_numel, rows_of, tp_local_shape, with_param_dtype)
 from .timeline import regions_for, timeline
@@ -147,6 +148,15 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             raise ValueError(f"global_batch={global_batch} does not divide by dp * n_microbatches = {per}; "
                              "pick a multiple")
         sizes["b"] = global_batch // per
+    context = plan.extra.get("context") or {}
+    cp = mesh.get(context.get("axis", "cp"), 1) if context else 1
+    if cp > 1:  # context parallelism: each rank holds s / cp tokens and averages gradients over dp x cp
+        captured_s = next((v for k, v in gc.values().items() if str(k) == "s"), None)
+        if captured_s is not None and "s" not in sizes:
+            sizes["s"] = int(captured_s) // cp
+        dp_axis, dp, links = joined_data_axis(hw, mesh, dp_axis, context.get("axis", "cp"), links)
+        notes.append(f"context parallel cp={cp} ({context.get('method')}): s / {cp} tokens per rank, attention "
+                     f"against all {cp} chunks, gradients over {dp_axis}")
     values = gc.values(sizes)
     ev = lambda x: evaluate(x, values)  # noqa: E731
     timer = NodeTimer(hw, values, compute_dtype=plan.param_dtype)
@@ -158,6 +168,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     graph_comm: list[tuple[int, str, str, float, bool]] = []  # (node, op, axis, payload, backward)
     for n in gc.nodes:
         f, b = timer.node(n, comp_div.get(n.index, 1))
+        if cp > 1 and "scaled_dot_product_attention" in n.op:  # local queries against every chunk's keys
+            f, b = f * cp, b * cp
         fwd_t[n.index], bwd_t[n.index] = f, b
         for cm in n.cost.comm:
             if cm.rows is not None and cm.axis in mesh:  # uneven pieces padded to ceil(rows / n)
@@ -273,6 +285,13 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     fwd_s = fwd_compute * n_micro + fwd_exposed
     bwd_s = bwd_compute * n_micro
     step_s = fwd_s + bwd_s + bwd_exposed + step_exposed + optimizer_s
+    if cp > 1:  # the attention exchange: what its overlap leaves exposed (search/context.py prices it)
+        method = context.get("method")
+        exposed = float((context.get("exposed_s") or {}).get(method) or 0.0)
+        payload = float((context.get("bytes") or {}).get(method) or 0.0)
+        op = "send_recv" if method == "ring" else "all_to_all"
+        add_comm(op, context.get("axis", "cp"), "attention", payload, exposed, exposed)
+        step_s += exposed
 
     # --- memory -----------------------------------------------------------------------
     pg_bytes = {}

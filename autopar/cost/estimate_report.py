@@ -32,7 +32,7 @@ class LayerReport:
 class CommReport:
     op: str
     axis: str
-    phase: str  # forward | backward | step
+    phase: str  # forward | backward | step | attention (the context-parallel exchange)
     calls: int
     payload_bytes: float  # summed payloads, as runtime.collectives.COUNTER counts them
     bytes_sent: float  # bytes this rank puts on the wire (ring formulas in comm.py)

@@ -45,12 +45,14 @@ def plan_context(gm: fx.GraphModule, mesh: Mapping[str, int], method: str = "aut
     if not calls:
         raise ValueError(f"cp={cp} but the model has no scaled_dot_product_attention: nothing exchanges the "
                          "sequence, so context parallelism does not apply; use a mesh without cp")
-    ring_s = ulysses_s = 0.0
+    ring_s = ulysses_s = ring_b = ulysses_b = 0.0
     heads_ok = True
+    dp = mesh.get("dp", 1)
     seq_len = None
     for n in calls:
         q, k = n.args[0].meta["val"], n.args[1].meta["val"]
         b, h, t, d = (_hint(s) for s in q.shape)
+        b = max(1, b // dp)  # this rank's rows (the captured batch is the global one)
         hkv = _hint(k.shape[1])
         seq_len = t
         h_local, hkv_local = max(1, h // tp), max(1, hkv // tp)
@@ -63,8 +65,10 @@ def plan_context(gm: fx.GraphModule, mesh: Mapping[str, int], method: str = "aut
         kv = 2 * b * hkv_local * tl * d * item
         hop = link.time("send_recv", kv)
         ring_s += (cp - 1) * (max(0.0, hop - compute) + max(0.0, 2 * hop - 2 * compute))
+        ring_b += 3 * (cp - 1) * kv  # forward: K, V; backward: K, V and dK, dV
         a2a = b * h_local * tl * d * item * cp  # the payload an all-to-all over cp ranks moves, per rank
         ulysses_s += 8 * link.time("all_to_all", a2a)
+        ulysses_b += 8 * a2a
     prices = {"ring": ring_s, "ulysses": ulysses_s if heads_ok else None}
     why = []
     if method == "ulysses" and not heads_ok:
@@ -80,7 +84,8 @@ def plan_context(gm: fx.GraphModule, mesh: Mapping[str, int], method: str = "aut
         why.append(f"cp={cp}: {chosen} attention exchange (asked for); exposed communication per step: ring "
                    f"{ring_s * 1e3:.3f} ms" + (f", ulysses {ulysses_s * 1e3:.3f} ms" if heads_ok else ""))
     return {"axis": axis, "method": chosen, "layout": "zigzag", "attention_calls": len(calls),
-            "example_seq_len": seq_len, "exposed_s": prices, "notes": why}
+            "example_seq_len": seq_len, "exposed_s": prices,
+            "bytes": {"ring": ring_b, "ulysses": ulysses_b if heads_ok else None}, "notes": why}
 
 
 def _hint(s) -> int:
