@@ -12,6 +12,12 @@ child cannot run autograd once its parent has, so ranks fork from a fork server 
 (`fn` and its arguments must then pickle: module-level functions). A gloo world stays forked: its ranks run on the CPU (a mesh follows the
 job's backend, `runtime.mesh.default_device_type`) and never touch CUDA.
 
+The fork server imports `FORKSERVER_PRELOAD` once when it starts (torch and autopar; a caller
+adds more with `preload_in_fork_server` before its first world, e.g. the test harness adds
+transformers), so a rank does not import them again: importing torch's CUDA build and
+transformers costs ~5 CPU-s a process. Only imports: none of these modules initialises CUDA or
+runs a backward pass on import, which the fork server must never do.
+
 `init_job_process_group` is the one place autopar starts a job's default group: NCCL bound to
 the rank's GPU (`device_id`, so NCCL neither guesses the device from the rank nor forms its
 communicator lazily) when a GPU is visible, gloo otherwise.
@@ -61,6 +67,16 @@ def init_job_process_group(backend: str | None = None, *, timeout_s: float | Non
         kwargs.setdefault("device_id", dev)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=seconds), **kwargs)
     return backend
+
+
+FORKSERVER_PRELOAD: list[str] = ["torch", "autopar"]
+
+
+def preload_in_fork_server(*modules: str) -> None:
+    """Have the fork server import `modules` too when it starts (it starts with the first
+    fork-server world of this process; later calls do not reach a running server). A module
+    that does not import is skipped by the server. Each must import without initialising CUDA."""
+    FORKSERVER_PRELOAD.extend(m for m in modules if m not in FORKSERVER_PRELOAD)
 
 
 class WorldError(RuntimeError):
@@ -135,7 +151,7 @@ def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", 
     method = start_method or os.environ.get("AUTOPAR_START_METHOD") or default_start_method(backend)
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "autopar"])  # each rank forks from a server that imported them
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # each rank forks from a server that imported them
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     queue = ctx.Queue()

@@ -10,8 +10,26 @@ and the worker pick the CPU (`runtime.mesh.default_device_type`) even where a GP
 and a world forked after this process initialised CUDA never touches it. A test that wants
 the GPU runs NCCL (`backend="nccl"`): `run_world` spawns instead of forking once CUDA is
 initialised here.
+
+Ranks start warm. Forked ranks (CPU torch): `warm_parent()`, called by conftest.py before the
+first tests/dist test, warms this process once. Fork-server ranks (a GPU build of torch, e.g.
+Python 3.12 with PyPI's default torch): the server also imports `FORK_SERVER_MODULES`
+(transformers, the planner, the zoo check) once, instead of every rank of every world
+importing them again (~5 CPU-s a rank with transformers).
 """
-from autopar.runtime.launch import WorldError, run_world
+import os
+
+from autopar.runtime.launch import WorldError, default_start_method, preload_in_fork_server, run_world
+
+# what ranks import besides torch and autopar; none initialises CUDA on import (a fork server
+# must not), a missing one is skipped by the server
+FORK_SERVER_MODULES = ("transformers", "transformers.modeling_utils", "networkx", "sympy", "scipy.optimize",
+                       "torch.export", "torch.distributed.checkpoint", "autopar.search.planner",
+                       "autopar.tools.planning", "autopar.tools.zoo_check", "autopar.tools.report",
+                       "autopar.tools.plan_view", "autopar.tools.gantt", "autopar.pipeline_build")
+preload_in_fork_server(*FORK_SERVER_MODULES)
+
+_warmed = False
 
 
 def world(n: int, fn, *args, timeout_s: float = 240.0, **kwargs):
@@ -19,4 +37,33 @@ def world(n: int, fn, *args, timeout_s: float = 240.0, **kwargs):
     return run_world(n, fn, *args, timeout_s=timeout_s, collective_timeout_s=60.0, **kwargs)
 
 
-__all__ = ["world", "WorldError"]
+def warm_parent() -> None:
+    """Once per process, when ranks fork from this process: import what a rank imports and run
+    one capture and one joint plan of gpt-tiny on meta, so that every forked rank inherits the
+    warmed imports, torch.export's first-call set-up and the pure memo tables (sympy dims,
+    small schedules) instead of paying them again (~2 CPU-s a rank). The planner's in-memory
+    plan cache is cleared afterwards: no rank reuses the warm-up's plan. No backward pass runs
+    and CUDA is not initialised. Does nothing where ranks do not fork from this process (a GPU
+    build of torch: fork server, which imports FORK_SERVER_MODULES instead) or with
+    AUTOPAR_TEST_WARM=0."""
+    global _warmed
+    if _warmed:
+        return
+    _warmed = True
+    if os.environ.get("AUTOPAR_TEST_WARM", "1") == "0":
+        return
+    if (os.environ.get("AUTOPAR_START_METHOD") or default_start_method("gloo")) != "fork":
+        return
+    import autopar.search.planner as planner
+    from autopar.tools.model_source import resolve
+    from autopar.tools.planning import plan_model
+
+    try:
+        plan_model(resolve("gpt-tiny"), world_size=4)
+    except Exception:  # noqa: BLE001 - only a speed-up: the tests themselves report any real failure
+        pass
+    finally:
+        planner.clear_cache()
+
+
+__all__ = ["FORK_SERVER_MODULES", "world", "warm_parent", "WorldError"]

@@ -18,6 +18,8 @@ experts accumulate over ranks' rows, the router statistics are averaged over ran
 ulps; AdamW's m/sqrt(v) amplifies that on near-zero gradient entries. Losses to 1e-5
 absolute, gradients to 1e-5, parameters after 3 steps to 1e-4 (as the tp and dp tests).
 """
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -80,6 +82,17 @@ def _one_process(name, steps=3):
     return losses, grads, {k: v.detach().clone() for k, v in model.named_parameters()}, drops
 
 
+_references: dict = {}
+
+
+def _reference(name):
+    """`_one_process(name)`, trained once per model (RUNS_4 checks moe-tiny six times); a copy,
+    since `_check` pops from it."""
+    if name not in _references:
+        _references[name] = _one_process(name)
+    return copy.deepcopy(_references[name])
+
+
 # --- one rank -------------------------------------------------------------------------------
 def _parallel(rank, ws, runs, steps=3):
     out = []
@@ -131,7 +144,7 @@ def _full(per_rank, name, ref_shape, tp_layout):
 def _check(results, runs):
     for j, (name, mesh_kw, opts) in enumerate(runs):
         what = f"{name} {mesh_kw} {opts}"
-        ref_losses, ref_grads, ref_params, ref_drops = _one_process(name)
+        ref_losses, ref_grads, ref_params, ref_drops = _reference(name)
         per = [r[j] for r in results]
         for losses, *_ in per:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=LOSS_ATOL,

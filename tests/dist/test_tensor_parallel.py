@@ -17,7 +17,9 @@ floating point, and with eps=1e-8 Adam turns that noise into lr-sized steps whos
 depends on summation order (measured: 1.9e-4 apart after 3 steps at tp=4).
 """
 import dataclasses
+import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -70,6 +72,7 @@ def _call(model, x):
     return model(*x) if isinstance(x, tuple) else model(x)
 
 
+@functools.lru_cache(maxsize=None)  # one reference per model (RUNS_4 trains gpt-tiny five times); read only
 def _one_process(name, steps=3):
     model, loss_fn, batch = _build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
@@ -175,17 +178,23 @@ RUNS_4 = [
 ]
 
 
-def test_tp2_parity_gpt_moe_vit_llama_bert():
-    _check(world(2, _parallel, RUNS_2), RUNS_2)
+@pytest.fixture(scope="module")
+def tp2_results():
+    """The tp=2 world, shared by the parity test and the experts' layout test (one world, not two)."""
+    return world(2, _parallel, RUNS_2)
+
+
+def test_tp2_parity_gpt_moe_vit_llama_bert(tp2_results):
+    _check(tp2_results, RUNS_2)
 
 
 def test_tp4_and_dp2_tp2_with_every_zero_stage_parity():
     _check(world(4, _parallel, RUNS_4), RUNS_4)
 
 
-def test_moe_experts_are_tensor_sharded():
-    res = world(2, _parallel, [("moe-tiny", {"tp": 2}, {})], 1)
-    layouts = res[0][0][3]
+def test_moe_experts_are_tensor_sharded(tp2_results):
+    j = RUNS_2.index(("moe-tiny", {"tp": 2}, {}))  # the layouts of moe-tiny's tp=2 plan (default options)
+    layouts = tp2_results[0][j][3]
     experts = {k: v["tp"] for k, v in layouts.items() if ".experts." in k}
     assert experts and all(p.startswith("S(") for p in experts.values()), layouts
 
