@@ -3,7 +3,8 @@ over its ranks (zigzag chunks), attention exchanges K/V around a ring or by Ulys
 all-to-alls, and training matches one process.
 
 One 4-rank world runs every cell (spawning is the expensive part): gpt-tiny (RoPE from a
-sliced buffer, GQA) under cp=4 ring, cp=4 Ulysses, cp=2 x dp=2 with ZeRO-3 and cp=2 x tp=2;
+sliced buffer, GQA) under cp=4 ring, cp=4 Ulysses, cp=2 x dp=2 with ZeRO-3, cp=2 x tp=2 and
+cp=2 x dp=2 with recompute (memory_budget=0);
 a transformers Llama (positions from arange, a causal mask built from positions and
 recognised as causal) under cp=2 x dp=2 Ulysses; a transformers Qwen3 (per-head q/k norms)
 under cp=4 ring; and packed documents (several per row, position ids restarting at each, so
@@ -97,6 +98,7 @@ CELLS = [  # (cell name, model, mesh, parallelize keywords)
     ("gpt cp4 ulysses", "gpt", dict(cp=4), dict(context_method="ulysses")),
     ("gpt dp2 cp2 zero3 ring", "gpt", dict(dp=2, cp=2), dict(context_method="ring", zero_stage=3)),
     ("gpt cp2 tp2 ring", "gpt", dict(cp=2, tp=2), dict(context_method="ring", hardware="h100-sxm")),
+    ("gpt dp2 cp2 ring recompute", "gpt", dict(dp=2, cp=2), dict(context_method="ring", memory_budget=0.0)),
     ("hf-llama dp2 cp2 ulysses", "hf-llama", dict(dp=2, cp=2), dict(context_method="ulysses")),
     ("qwen3 cp4 ring", "qwen3", dict(cp=4), dict(context_method="ring")),
     ("hf-llama packed dp2 cp2 ring", "hf-llama", dict(dp=2, cp=2), dict(context_method="ring")),
@@ -119,7 +121,9 @@ def _cells(rank, ws):
             opt.zero_grad()
         layouts = {k: {a: str(p) for a, p in lay.axes} for k, lay in pm.plan.param_layouts.items()}
         out[cell] = (losses, pm.engine.gather_full_state_dict(), layouts, pm.mesh.coords(rank),
-                     pm.plan.extra.get("context", {}).get("method", "no cp"), pm.graph_module.code)
+                     pm.plan.extra.get("context", {}).get("method", "no cp"),
+                     "".join(m.code for m in pm.graph_module.modules() if hasattr(m, "code")),  # regions too
+                     dict(pm.plan.recompute))
     return out
 
 
@@ -182,10 +186,12 @@ def test_context_parallel_cell_matches_one_process_after_three_adamw_steps(resul
         if "packed" in cell:  # attention kept inside each document: the exchange carries document ids
             assert "cp_document_ids" in code, cell
     layouts = per_rank[0][2]
+    if "recompute" in cell:
+        assert any(v != "none" for v in per_rank[0][6].values()), f"{cell}: nothing recomputed: {per_rank[0][6]}"
     if "tp" in cell:
         assert any(v.get("tp", "R") != "R" for v in layouts.values()), f"{cell}: the plan shards nothing on tp"
     for pname, ref in ref_params.items():
-        pieces = sorted((c.get("tp", 0), sd[pname]) for _l, sd, _lay, c, _m, _code in per_rank
+        pieces = sorted((c.get("tp", 0), sd[pname]) for _l, sd, _lay, c, _m, _code, _rec in per_rank
                         if pname in sd and c.get("dp", 0) == 0 and c.get("cp", 0) == 0)
         assert pieces, f"no rank holds {pname}"
         place = layouts.get(pname, {}).get("tp", "R")
