@@ -31,6 +31,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from ._torch_compat import pytree
 from .timeouts import group_timeout
 
 # Canonical order when sizes are given as keywords: pipeline outermost, tensor innermost.
@@ -186,6 +187,15 @@ class Mesh:
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
+
+    def to_device(self, tree):
+        """`tree` with every tensor on another real device moved to this mesh's device (as DDP
+        and FSDP move their inputs): a CPU batch reaches a GPU program. Meta tensors stay (the
+        step refuses them with its own message)."""
+        dev = self.device
+        return pytree.tree_map(
+            lambda t: t.to(dev, non_blocking=dev.type == "cuda") if isinstance(t, torch.Tensor) and t.device != dev
+            and t.device.type != "meta" else t, tree)
 
 
 def default_device_type() -> str:

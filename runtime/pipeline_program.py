@@ -155,6 +155,7 @@ class PipelineProgram(nn.Module):
             if kwargs:
                 raise ValueError("this pipeline was built without an input spec; pass inputs positionally")
             flat = list(args)
+        flat = self.mesh.to_device(flat)  # a CPU batch reaches a GPU program
         bad = [type(x).__name__ for x in flat if not (x is None or isinstance(x, torch.Tensor))]
         if bad:  # None (an optional input left out, e.g. an attention mask) reaches stage 0 as None
             raise ValueError(f"pipeline inputs must be tensors or None (they travel to stage 0 as micro-batches); "
@@ -170,7 +171,9 @@ class PipelineProgram(nn.Module):
         return out[0] if len(out) == 1 else tuple(out)
 
     def local_batch(self, batch: Any) -> Any:
-        """This rank's part of a global batch: dim 0 of every tensor split over the dp axis."""
+        """This rank's part of a global batch: dim 0 of every tensor split over the dp axis, on
+        the mesh's device."""
+        batch = self.mesh.to_device(batch)
         if self.dp == 1:
             return batch
         idx = self.mesh.local_rank(self.dp_axis)

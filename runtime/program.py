@@ -64,6 +64,7 @@ class Program(nn.Module):
                 raise ValueError(f"inputs do not match the captured structure: got {spec}, captured {self.in_spec}")
         else:
             flat = list(args)
+        flat = self.mesh.to_device(flat)  # a CPU batch reaches a GPU program
         with self.rng.fork(self.training):  # dropout / batch norm follow pm.train() / pm.eval()
             out = self.module(*flat)
         if self.out_spec is not None:
@@ -73,7 +74,9 @@ class Program(nn.Module):
     # --- training step ---------------------------------------------------------------------
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a global batch: dim 0 of every tensor split over the dp axis,
-        and under context parallelism dim 1 (the sequence) over the cp axis, in zigzag chunks."""
+        and under context parallelism dim 1 (the sequence) over the cp axis, in zigzag chunks;
+        on the mesh's device."""
+        batch = self.mesh.to_device(batch)
         if self.cp_axis:
             seq = [t.shape[1] for t in pytree.tree_leaves(batch[0] if isinstance(batch, tuple) else batch)
                    if isinstance(t, torch.Tensor) and t.dim() > 1][:1]

@@ -24,6 +24,7 @@ import torch.nn as nn
 from . import collectives as C
 from . import zero_plain_optim
 from .collective_errors import where
+from .offload import GradStage, host_copy, optimizer_kwargs, to_device
 from .zero_optim import DynamicLossScaler, ScaleGrad, ShardedOptimizer, unscale_and_check
 from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make_buckets, read_rows, shard_info
 
@@ -113,6 +114,9 @@ class EngineBase:
         self.offload = offload
         self.device = mesh.device
         self.master_device = torch.device("cpu") if offload else None  # None: next to the parameter
+        # offloaded masters and their gradients in pinned host memory when a GPU computes
+        self._pin = offload and self.device.type == "cuda"
+        self._grad_stage = GradStage(self._pin)
         if loss_scale == "auto":
             loss_scale = "dynamic" if param_dtype == torch.float16 else None
         if loss_scale == "dynamic":
@@ -229,6 +233,7 @@ class EngineBase:
         if self._grads_ready and not self._has_pending():
             return
         self._reduce()
+        self._grad_stage.wait()  # offloaded gradients: their host copies are complete from here on
         self._skip_step = False
         if self.scaler is not None:
             grads = [s.master.grad for s in self.slots if s.master.grad is not None]
@@ -268,6 +273,8 @@ class EngineBase:
                                          f"module.named_parameters(), e.g. {self.slots[0].name!r}")
                     ms.append(s.master)
                 groups.append({**g, "params": ms})
+        if self.device.type == "cuda":  # torch's fused update where it has one (on the CPU too, offloaded)
+            kwargs = optimizer_kwargs(cls, kwargs, [m for g in groups for m in g["params"]])
         self.optimizer = ShardedOptimizer(self, cls, groups, **kwargs)
         return self.optimizer
 
@@ -482,7 +489,8 @@ class ReplicatedEngine(EngineBase):
             if separate:
                 mdev = self.master_device or p.device
                 rows = p.detach().reshape(info.rows, *info.shape[1:])[info.start:info.end] if info.shape else p.detach().reshape(1)
-                master = nn.Parameter(rows.to(mdev, self._master_dtype(p), copy=True), requires_grad=p.requires_grad)
+                master = nn.Parameter(host_copy(rows, self._master_dtype(p), pin=self._pin) if self.offload
+                                      else rows.to(mdev, self._master_dtype(p), copy=True), requires_grad=p.requires_grad)
             elif stage == 0:
                 master = p
             else:
@@ -530,6 +538,10 @@ class ReplicatedEngine(EngineBase):
     def _on_shard_grads(self, params: list[nn.Parameter], views: list[torch.Tensor]) -> None:
         for p, v in zip(params, views):
             m = self._slot_of[id(p)].master
+            if m.grad is None and self.offload:
+                m.grad = self._grad_stage.to_host(id(m), v, m)
+                continue
+            self._grad_stage.wait()
             g = v.to(m.device, m.dtype)
             if m.grad is None:
                 m.grad = g.clone() if g.data_ptr() == v.data_ptr() else g
@@ -539,8 +551,8 @@ class ReplicatedEngine(EngineBase):
     def _on_reduced(self, p: nn.Parameter, g: torch.Tensor) -> None:
         s = self._slot_of[id(p)]
         i = s.info
-        s.master.grad = (g.reshape(i.rows, *i.shape[1:])[i.start:i.end] if i.shape else g.reshape(1)).to(
-            s.master.device, s.master.dtype, copy=True)
+        s.master.grad = self._grad_stage.to_host(
+            id(s.master), g.reshape(i.rows, *i.shape[1:])[i.start:i.end] if i.shape else g.reshape(1), s.master)
 
     def _reduce(self) -> None:
         if self.reducer is not None:
@@ -554,7 +566,7 @@ class ReplicatedEngine(EngineBase):
             i = s.info
             rows = g.reshape(i.rows, *i.shape[1:])[i.start:i.end] if i.shape else g.reshape(1)
             if self._separate:
-                s.master.grad = rows.to(s.master.device, s.master.dtype, copy=True)
+                s.master.grad = self._grad_stage.to_host(id(s.master), rows, s.master)
             else:
                 s.master.grad = rows  # a view: stage 1 keeps the full gradient anyway
 
@@ -562,8 +574,8 @@ class ReplicatedEngine(EngineBase):
         with torch.no_grad():
             if self.stage == 0 or self.k == 1:
                 if self._separate:
-                    for s in self.slots:
-                        s.param.copy_(s.master.reshape(s.param.shape))
+                    for s in self.slots:  # offloaded masters: one async copy, the cast on the device
+                        s.param.copy_(to_device(s.master, s.param.device).reshape(s.param.shape))
                 return
             works = []
             for slots, layout in self._gather_layouts:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives as C
+from .offload import to_device
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ class FlatLayout:
         """(S,) buffer of this rank's rows of every parameter, zero-padded."""
         buf = torch.zeros(self.S, dtype=dtype, device=device)
         for info, off, t in zip(self.infos, self.offsets, shards):
-            if info.local_numel:
-                buf[off:off + info.local_numel].copy_(t.reshape(-1))
+            if info.local_numel:  # an offloaded shard crosses in its own dtype (async when pinned)
+                buf[off:off + info.local_numel].copy_(to_device(t, buf.device).reshape(-1))
         return buf
 
     def unpack_full(self, gathered: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives as C
+from .offload import host_copy
 from .zero_engine import EngineBase, _Slot, read_rows
 from .zero_shard import FlatLayout, shard_info
 
@@ -138,7 +139,10 @@ class ShardedEngine(EngineBase):
             mdev = self.master_device or (self.device if p.is_meta else p.device)
             mdt = self._master_dtype(p)
             data = (torch.empty(info.local_shape, dtype=mdt, device=mdev) if rows is None
+                    else host_copy(rows.reshape(info.local_shape), mdt, pin=self._pin) if self.offload
                     else rows.reshape(info.local_shape).to(mdev, mdt, copy=True))
+            if self._pin and rows is None:
+                data = data.pin_memory()
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
             self.untrained[id(p)] = (weakref.ref(p), name, "under ZeRO-3 the program trains this rank's shards, "
                                      "which replaced them in the module: they get no gradient")
@@ -371,11 +375,11 @@ class ShardedEngine(EngineBase):
         for s, v in zip(self.units[uid].slots, self.units[uid].layout.shard_views(red)):
             if not s.trainable:
                 continue
-            g = v.to(s.master.device, s.master.dtype, copy=True)
             if s.master.grad is None:
-                s.master.grad = g
+                s.master.grad = self._grad_stage.to_host(id(s.master), v, s.master)
             else:
-                s.master.grad.add_(g)
+                self._grad_stage.wait()
+                s.master.grad.add_(v.to(s.master.device, s.master.dtype))
 
     def _reduce(self) -> None:
         while self._pending:

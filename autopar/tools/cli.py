@@ -360,8 +360,11 @@ def cmd_run(a) -> int:
     import torch
 
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise ValueError(f"the plan needs {nproc} ranks but this node has {torch.cuda.device_count()} GPUs; "
-                         f"use --slurm FILE --nodes N to run on several nodes")
+        why = (f"the plan needs {nproc} ranks but this node has {torch.cuda.device_count()} GPUs; "
+               f"use --slurm FILE --nodes N to run on several nodes")
+        if not a.dry_run:
+            raise ValueError(why)
+        print(f"note: {why}", file=sys.stderr)  # a dry run still shows the command
     cmd = torchrun_command(nproc, target)
     print(f"launching {what} on {nproc} local ranks: " + (f"AUTOPAR_PLAN={plan_path} " if plan_path else "")
           + shlex.join(cmd), flush=True)

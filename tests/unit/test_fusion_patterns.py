@@ -121,7 +121,7 @@ def outputs_and_grads(gm: fx.GraphModule, inputs: list,
         leaves = list(params.values())
     outs = [o for o in out if isinstance(o, torch.Tensor) and o.is_floating_point()]
     g = torch.Generator().manual_seed(1)
-    total = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    total = sum((o.float() * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outs)
     grads = torch.autograd.grad(total, leaves, allow_unused=True)
     return [o.detach() for o in outs] + [gr for gr in grads if gr is not None]
 
@@ -177,7 +177,7 @@ def test_fused_graph_matches_original_outputs_and_parameter_gradients_in_fp32(na
     want = outputs_and_grads(gm, inputs)
     assert len(got) == len(want) > 1
     for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"[{i}] {m}")
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m: f"[{i}] {m}")
 
 
 def test_fused_bf16_llama_is_within_twice_the_original_error_against_fp32():
@@ -284,12 +284,14 @@ def test_on_a_tensor_parallel_rank_patterns_see_local_shapes_and_never_span_a_co
     assert rules["rms_norm"] + rules["add_rms_norm"] == 2 * L + 1
 
 
-# ---------------------------------------------------------------------------- Triton, interpreted
+# ---------------------------------------------------------------------------- Triton, interpreted or compiled
 
 CHILD = textwrap.dedent('''
     import copy, os, sys
-    os.environ["TRITON_INTERPRET"] = "1"      # before anything imports triton
-    os.environ["AUTOPAR_TRITON"] = "interpret"
+    DEVICE = {device!r}
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"      # before anything imports triton
+        os.environ["AUTOPAR_TRITON"] = "interpret"
     import torch, torch.fx as fx
     sys.path.insert(0, os.path.dirname({path!r}))
     from test_fusion_patterns import WithLoss, fused_copy, outputs_and_grads
@@ -305,19 +307,23 @@ CHILD = textwrap.dedent('''
     vit = ViT(ViTConfig(image_size=8, patch_size=4, in_chans=3, dim=24, n_layers=2, n_heads=2, mlp_dim=40,
                         n_classes=5))
     for model, inputs in ((gpt, [tokens[:, :-1], tokens[:, 1:]]), (vit, [torch.randn(2, 3, 8, 8)])):
+        model, inputs = model.to(DEVICE), [t.to(DEVICE) for t in inputs]
         gm = capture(model.eval(), tuple(inputs))
         fused = fused_copy(gm, list(RULE_NAMES))
         got, want = outputs_and_grads(fused, inputs), outputs_and_grads(gm, inputs)
         for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # fp32, another summation order
     print(sorted(op for (op, path), n in DISPATCH_COUNTS.items() if path == "triton" and n))
 ''')
 
 
-def test_fused_graphs_run_the_triton_kernels_under_the_interpreter_and_match():
+def test_fused_graphs_run_the_triton_kernels_and_match():
+    """Compiled on a GPU where one is (where the kernels really run), under Triton's CPU
+    interpreter elsewhere."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k not in ("AUTOPAR_TRITON", "TRITON_INTERPRET")}
-    proc = subprocess.run([sys.executable, "-c", CHILD.format(path=__file__)], env=env,
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    proc = subprocess.run([sys.executable, "-c", CHILD.format(path=__file__, device=device)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     ran = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's list of names

@@ -504,7 +504,7 @@ def test_empty_rows_are_returned_without_launching(triton_path):
 def test_dispatch_falls_back_to_reference_on_cpu_when_not_forced(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("AUTOPAR_TRITON", raising=False)
-    x = _randn(4, 16, dtype=torch.float32, seed=70)
+    x = _randn(4, 16, dtype=torch.float32, seed=70).detach().cpu()  # on the CPU, also in the GPU child
     ref, fused = DISPATCH_COUNTS[("rms_norm", "reference")], DISPATCH_COUNTS[("rms_norm", "triton")]
     y = kernels.rms_norm(x)
     assert DISPATCH_COUNTS[("rms_norm", "reference")] == ref + 1

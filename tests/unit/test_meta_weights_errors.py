@@ -23,7 +23,7 @@ def _state():
 
 def _parallelize(weights, **kw):
     x, _ = get("gpt-tiny").example_batch(4)
-    return autopar.parallelize(_meta_gpt(), autopar.mesh(dp=1), example_inputs=x, weights=weights, **kw)
+    return autopar.parallelize(_meta_gpt(), autopar.mesh(dp=1, device_type="cpu"), example_inputs=x, weights=weights, **kw)
 
 
 def _files(d):
@@ -84,7 +84,7 @@ def test_a_real_model_given_weights_takes_the_sources_values():
     model = get("gpt-tiny").build()
     x, y = get("gpt-tiny").example_batch(4)
     sd = _state()
-    pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=x, weights=sd)
+    pm = autopar.parallelize(model, autopar.mesh(dp=1, device_type="cpu"), example_inputs=x, weights=sd)
     torch.manual_seed(0)
     ref = get("gpt-tiny").build()
     torch.testing.assert_close(pm(*x), ref(*x), rtol=0, atol=0)
@@ -94,7 +94,7 @@ def test_an_autopar_checkpoint_directory_is_a_weight_source(tmp_path):
     spec = get("gpt-tiny")
     x, _ = spec.example_batch(4)
     torch.manual_seed(0)
-    real = autopar.parallelize(spec.build(), autopar.mesh(dp=1), example_inputs=x)
+    real = autopar.parallelize(spec.build(), autopar.mesh(dp=1, device_type="cpu"), example_inputs=x)
     autopar.save(real, str(tmp_path / "ckpt"))
     pm = _parallelize(str(tmp_path / "ckpt"))
     assert any("dcp" in n for n in pm.plan.notes), pm.plan.notes

@@ -1,0 +1,211 @@
+"""Where a step's time goes, on one GPU: eager PyTorch against autopar's programs.
+
+For the ~1.1 B GPT of scripts/gpu_check.py (bf16, batch 4 x 2048), each variant is timed in
+two phases (forward + backward, then the optimizer step, each between synchronisations) and
+profiled for two steps with torch.profiler. It prints one line per variant and writes, per
+variant, the top operators by self device time and by self CPU time to OUT/profile_<name>.txt.
+
+    python scripts/gpu_profile.py [--only eager,pure,mixed,recompute,offload] [--out DIR] [--launch] [--sync-debug]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import Ctx, _batches, _build, gpt_config  # noqa: E402
+
+VARIANTS = {
+    "eager": None,
+    "pure": {"precision": "bf16"},
+    "mixed": {},
+    "recompute": {"memory_budget": 0.5},
+    "offload": {"zero_stage": 3, "offload": True},
+}
+
+
+def _phases(fwd_bwd, opt_step, n: int) -> tuple[float, float]:
+    fb, op = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt_step()
+        torch.cuda.synchronize()
+        fb.append(t1 - t0)
+        op.append(time.perf_counter() - t1)
+    return statistics.median(fb), statistics.median(op)
+
+
+def _sync_points(fn) -> list[str]:
+    """The places (innermost frames outside torch) of every synchronising CUDA call in fn()."""
+    import collections
+    import traceback
+    import warnings
+
+    seen: collections.Counter = collections.Counter()
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
+                  and "warnings" not in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
+        seen[f"{str(message)[:60]} @ {where}"] += 1
+
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        warnings.showwarning = old
+    return [f"{n:4d}x {k}" for k, n in seen.most_common(20)]
+
+
+def launch_costs() -> list[str]:
+    """Host microseconds per call of small (launch-bound) ops: the fused kernels against torch,
+    plain and under a selective-checkpoint policy (what `memory_budget` recompute runs)."""
+    import functools
+
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from autopar.runtime import kernels
+
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    policy = functools.partial(create_selective_checkpoint_contexts, lambda *_a, **_k: CheckpointPolicy.PREFER_RECOMPUTE)
+    cases = {
+        "rms_norm triton fwd": lambda: kernels.rms_norm(x, w),
+        "rms_norm torch fwd": lambda: F.rms_norm(x, (4096,), w),
+        "swiglu triton fwd+bwd": lambda: kernels.swiglu(x, a).sum().backward(),
+        "swiglu torch fwd+bwd": lambda: (F.silu(x) * a).sum().backward(),
+        "swiglu triton fwd+bwd, plain checkpoint": lambda: checkpoint(kernels.swiglu, x, a, use_reentrant=False).sum().backward(),
+        "swiglu triton fwd+bwd, selective checkpoint": lambda: checkpoint(
+            kernels.swiglu, x, a, use_reentrant=False, context_fn=policy).sum().backward(),
+        "swiglu torch fwd+bwd, selective checkpoint": lambda: checkpoint(
+            lambda u, v: F.silu(u) * v, x, a, use_reentrant=False, context_fn=policy).sum().backward(),
+    }
+    out = []
+    for name, fn in cases.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            fn()
+        host = (time.perf_counter() - t) / 200
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / 200
+        out.append(f"{name:48s} host {host * 1e6:8.1f} us/call, wall {wall * 1e6:8.1f} us/call")
+    return out
+
+
+def run(name: str, out: Path, steps: int, sync_debug: bool = False) -> str:
+    import autopar
+    from autopar.models.gpt import loss_fn
+
+    ctx = Ctx(False, torch.device("cuda", 0), out)
+    cfg = gpt_config(False)
+    data = _batches(cfg, 2, 4, 2048, ctx.device)
+    model = _build(cfg, ctx, torch.bfloat16)
+    opts = VARIANTS[name]
+    state = {"i": 0}
+    if opts is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def fwd_bwd():
+            (x,), y = data[state["i"] % 2]
+            state["i"] += 1
+            loss_fn(model(x), y).backward()
+        extra = ""
+    else:
+        pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=data[0][0][0], **opts)
+        opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)
+
+        def fwd_bwd():
+            (x,), y = data[state["i"] % 2]
+            state["i"] += 1
+            pm.step(((x,), y), loss_fn)
+        pred = pm.plan.predicted.get("estimate", pm.plan.predicted)
+        extra = (f" pred_ms={pred.get('step_s', 0) * 1e3:.0f} recompute={ {m: list(pm.plan.recompute.values()).count(m) for m in set(pm.plan.recompute.values())} } "
+                 f"fusions={pm.plan.fusions} master={pm.plan.master_dtype} offload={pm.plan.offload}")
+
+    def opt_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    _phases(fwd_bwd, opt_step, 2)  # warm-up
+    syncs = _sync_points(lambda: (fwd_bwd(), opt_step())) if sync_debug else []
+    fb, op = _phases(fwd_bwd, opt_step, steps)
+    torch.cuda.reset_peak_memory_stats()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            fwd_bwd()
+            opt_step()
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    ka = prof.key_averages()
+    text = (f"# {name}: fwd+bwd {fb * 1e3:.1f} ms, optimizer {op * 1e3:.1f} ms, peak {peak:.1f} GiB{extra}\n\n"
+            + ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+            + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    if sync_debug:
+        text += f"\n\n# {len(syncs)} host-device synchronisations in one step, by place\n" + "\n".join(syncs)
+    (out / f"profile_{name}.txt").write_text(text)
+    return text.splitlines()[0]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(VARIANTS))
+    p.add_argument("--out", default=os.environ.get("OUT") or "out")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--launch", action="store_true", help="also time small launch-bound calls (host cost per op)")
+    p.add_argument("--sync-debug", action="store_true", help="list where one step synchronises host and device")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from autopar.runtime.launch import free_port, init_job_process_group
+
+    torch.cuda.set_device(0)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    init_job_process_group("nccl", timeout_s=300, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                           world_size=1)
+    lines = []
+    if a.launch:
+        try:
+            lines = launch_costs()
+        except Exception as e:  # the variants below still run
+            lines = [f"# launch costs: FAILED {type(e).__name__}: {e}"]
+    print("\n".join(lines), flush=True)
+    for name in [n for n in a.only.split(",") if n]:
+        try:
+            lines.append(run(name, out, a.steps if name != "offload" else 2, a.sync_debug))
+        except Exception as e:  # one variant's failure must not hide the others
+            lines.append(f"# {name}: FAILED {type(e).__name__}: {e}")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
