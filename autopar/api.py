@@ -293,6 +293,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         plan.notes += plan.extra["expert"]["notes"]
     if mesh.size("ep") > 1:
         _grouped_expert_layouts(plan, mesh)
+    else:
+        _router_stats_without_ep(plan, global_gm, mesh)
     if fusions_pinned:
         from autopar.passes.rules.fusion_table import selection  # noqa: PLC0415
 
@@ -367,6 +369,26 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         pmodel.__dict__["config"] = model.config  # written as config.json by save_pretrained
     pmodel.__dict__["stage_graphs"] = stage_graphs
     return pmodel
+
+
+def _router_stats_without_ep(plan, global_gm, mesh) -> None:
+    """An MoE model split over data ranks without expert parallelism: its load-balancing
+    statistics (router reductions over tokens, `search.expert_detect.router_stats`) are
+    averaged over the axes that split the tokens, so the auxiliary loss is the global batch's
+    (the expert pass does it with ep; `passes/expert.py` reads `plan.extra["router_stats"]`)."""
+    axes = [a for a in (plan.dp_axis, "cp") if a and mesh.size(a) > 1]
+    if not axes or "router_stats" in plan.extra or mesh.size("pp") > 1:
+        return
+    if not any(n.op == "call_function" and n.target is torch.ops.aten.topk.default for n in global_gm.graph.nodes):
+        return
+    from autopar.search.expert_detect import router_stats  # noqa: PLC0415
+
+    keys = router_stats(global_gm)
+    if keys:
+        plan.extra["router_stats"] = {"keys": keys, "axes": axes}
+        plan.notes.append(f"MoE router statistics ({len(keys)} reductions over tokens) averaged over "
+                          f"{' and '.join(axes)}: the load-balancing loss is the global batch's"
+                          + (f", per micro-batch ({plan.n_microbatches})" if plan.n_microbatches > 1 else ""))
 
 
 def _grouped_expert_layouts(plan: Plan, mesh: Mesh) -> None:

@@ -63,7 +63,7 @@ class ExpertPlanError(ValueError):
 def expert(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     spec = (getattr(ctx.plan, "extra", None) or {}).get("expert")
     if not spec or not spec.get("blocks"):
-        return gm
+        return _global_router_stats(gm, ctx)
     axis = spec.get("axis", "ep")
     P = ctx.mesh_sizes.get(axis, 1)
     me = ctx.coords.get(axis, 0)
@@ -273,6 +273,24 @@ def _slice_param(gm: fx.GraphModule, name: str, first: int, n: int, E: int) -> N
         raise ExpertPlanError(f"grouped expert parameter {name} has shape {tuple(p.shape)}, expected {E} experts in dim 0")
     local = p.detach()[first:first + n].clone()
     setattr(mod, attr, torch.nn.Parameter(local, requires_grad=p.requires_grad))
+
+
+def _global_router_stats(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Without expert parallelism: average the router statistics that `plan.extra["router_stats"]`
+    names over its axes (dp, cp), as the ep path does over dp and ep."""
+    stats = (getattr(ctx.plan, "extra", None) or {}).get("router_stats")
+    axes = [a for a in (stats or {}).get("axes", []) if ctx.mesh_sizes.get(a, 1) > 1]
+    if not axes:
+        return gm
+    node = {k: n for n, k in _keys(gm).items()}
+    missing = [k for k in stats["keys"] if k not in node]
+    if missing:
+        raise ExpertPlanError(f"the plan's router statistics name nodes this graph does not have: {missing[:3]}; "
+                              "was the plan made for another capture of this model?")
+    for k in stats["keys"]:
+        _globalize(gm, node[k], axes)
+    gm.graph.lint()
+    return gm
 
 
 def _globalize(gm: fx.GraphModule, n: fx.Node, axes: list[str]) -> None:

@@ -94,3 +94,13 @@ def sdpa_block_backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
                                                              0.0, is_causal, rng, unused, scale=scale)
 
 __all__ += ["sdpa_block_kernel", "sdpa_block_forward", "sdpa_block_backward"]
+
+
+# An op overload's schema (argument names and defaults): OpOverload has no public accessor;
+# `_schema` is what torch's own passes read.
+def op_schema(target):
+    """The torch._C.FunctionSchema of an op overload, or None for any other callable."""
+    return getattr(target, "_schema", None)
+
+
+__all__ += ["op_schema"]

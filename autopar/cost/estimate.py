@@ -275,10 +275,10 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     offload_copy_s = 0.0
     if plan.offload and trainable:  # the step runs on the CPU: gradients down, parameters back up
         g_item = max(grad_item.values())
-        p_item = max(p.dtype.itemsize for p in trainable)
+        m_item = master_dtype.itemsize if master_dtype is not None else max(p.dtype.itemsize for p in trainable)
         offload_copy_s, optimizer_s = offload_step_seconds(states.opt_elems, states.master + states.optimizer,
-                                                           g_item, p_item, hw.host_bandwidth,
-                                                           hw.host_memory_bandwidth)
+                                                           g_item, m_item, hw.host_bandwidth,
+                                                           hw.host_memory_bandwidth, zero_stage=plan.zero_stage)
         optimizer_s += offload_copy_s
 
     n_micro = plan.n_microbatches

@@ -198,7 +198,7 @@ class PlanCostModel(PlanTables):
         if not any(p.requires_grad for p in self.gc.params):
             return 0.0
         if self.offload:
-            return sum(self._offload_parts(elems, host_mo))
+            return sum(self._offload_parts(elems, host_mo, c.zero))
         z = c.zero if c.dp > 1 else 0
         nbytes = 2 * master_opt + params / (c.dp if z in (1, 2) else 1) + grads
         return nbytes / (self.hw.device.memory_bandwidth * self.hw.eff("memory"))

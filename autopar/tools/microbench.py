@@ -2,7 +2,9 @@
 
   compute_suite(device, quick)   matmul throughput over shapes and dtypes, causal attention,
                                  elementwise (vector) and copy (memory bandwidth) over sizes,
-                                 and the launch overhead of a tiny kernel
+                                 the launch overhead of a tiny kernel, and what offload runs
+                                 on: pinned host<->device copies (on a GPU) and the CPU's
+                                 fused AdamW step (host memory bandwidth)
   run_compute(item, device)      time one item of that suite
   collective_suite(sizes)        every collective the runtime issues, over message sizes
   run_collective(item, group)    time one collective on a process group (max over its ranks)
@@ -61,6 +63,12 @@ def compute_suite(device: str, quick: bool) -> list[dict[str, Any]]:
         items.append({"kind": "vector", "dtype": "fp32", "numel": n})
         items.append({"kind": "memory", "dtype": "fp32", "numel": n})
     items.append({"kind": "launch", "dtype": "fp32", "numel": 1})
+    if gpu:  # offload's copies: pinned host memory <-> the device, each direction
+        for n in (2**24, 2**26):
+            for direction in ("h2d", "d2h"):
+                items.append({"kind": "host_copy", "dtype": "fp32", "numel": n, "direction": direction})
+    for n in ([2**24, 2**26] if gpu else [2**20, 2**22] if quick else [2**22, 2**24]):
+        items.append({"kind": "host_step", "dtype": "fp32", "numel": n})  # offload's CPU update
     return items
 
 
@@ -126,6 +134,24 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
         else:
             fn = lambda: torch.add(x, y, out=z)  # noqa: E731
             out.update(flops=float(x.numel()), bytes=float(3 * x.numel() * x.element_size()))
+    elif kind == "host_copy":
+        n = item["numel"]
+        host = torch.randn(n, dtype=dt).pin_memory()
+        dev = torch.randn(n, device=device, dtype=dt)
+        src, dst = (host, dev) if item["direction"] == "h2d" else (dev, host)
+        fn = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
+        out.update(flops=0.0, bytes=float(n * host.element_size()))
+    elif kind == "host_step":
+        # the offloaded update (runtime/offload.py): fused AdamW over fp32 masters on the CPU;
+        # bytes as cost.memory.offload_step_seconds counts them (master + 2 states read and
+        # written, the gradient read)
+        n = item["numel"]
+        p = torch.nn.Parameter(torch.randn(n, dtype=dt))
+        p.grad = torch.randn(n, dtype=dt) * 1e-3
+        opt = torch.optim.AdamW([p], lr=1e-6, fused=True)
+        fn = opt.step
+        device = "cpu"
+        out.update(flops=0.0, bytes=float(n * (2 * 3 * p.element_size() + p.element_size())))
     else:
         raise ValueError(f"unknown microbenchmark kind {kind!r}")
     out["seconds"] = _median_time(fn, device)
@@ -189,4 +215,8 @@ def predicted_seconds(item: dict[str, Any], hw: Hardware, *, link=None) -> float
         return timer._t(c, item["flops"], 0.0, item["bytes"], 1)
     if kind in ("vector", "memory", "launch"):
         return timer._t(OpCost(kind="vector"), 0.0, item["flops"], item["bytes"], 1)
+    if kind == "host_copy":
+        return item["bytes"] / hw.host_bandwidth
+    if kind == "host_step":
+        return item["bytes"] / hw.host_memory_bandwidth
     raise ValueError(f"unknown microbenchmark kind {kind!r}")

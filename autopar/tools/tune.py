@@ -6,12 +6,14 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
 
   1. bench      (launched world, `autopar.tools.worker` "bench")  bench/compute.json: matmul over
                 shapes and dtypes, causal attention, elementwise and copy over sizes, kernel
-                launch overhead, measured on every rank at once; bench/coll_*.json: each
+                launch overhead, pinned host<->device copies (GPU) and the CPU's fused AdamW
+                step (what offload runs on), measured on every rank at once; bench/coll_*.json: each
                 collective on each mesh axis over message sizes
   2. fit        profile_microbench.json: the base profile with its efficiency factors, peaks
                 (raised where the machine beat the datasheet), intra-node link (latency and
-                bandwidth, least squares on the alpha-beta formula of `autopar.cost.comm`) and
-                kernel overhead replaced by what was measured
+                bandwidth, least squares on the alpha-beta formula of `autopar.cost.comm`),
+                host link and host memory bandwidth (offload) and kernel overhead replaced by
+                what was measured
   3. plan       candidates/c*.json: the best `top` plans under the fitted profile
                 (`autopar.tools.planning.plan_model`)
   4. run        (launched world, "candidates") runs/c*.json: each plan for warm-up + timed
@@ -158,6 +160,15 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
         x = _nnls_rel([np.array([c["bytes"] for c in mem]), np.ones_like(t)], t)
         if x[0] > 0:
             _set_rate(d, ("device", "memory_bandwidth"), "memory", 1.0 / x[0], fits, "memory bandwidth")
+    for kind, key, what in (("host_copy", "bandwidth", "host link (pinned copies)"),
+                            ("host_step", "memory_bandwidth", "host memory (CPU fused AdamW)")):
+        items = by(kind)
+        if items:
+            t = np.array([c["seconds"] for c in items])
+            x = _nnls_rel([np.array([c["bytes"] for c in items]), np.ones_like(t)], t)
+            if x[0] > 0:
+                fits[what] = {"rate": 1.0 / x[0], "was": float(d["host"][key])}
+                d["host"][key] = 1.0 / x[0]
     launch = by("launch")
     if launch:
         d["kernel_overhead_s"] = float(min(c["seconds"] for c in launch))

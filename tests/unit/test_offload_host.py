@@ -73,3 +73,31 @@ def test_a_cpu_batch_reaches_a_gpu_program():
     a = pm.step(((x,), y), loss_fn)  # targets too
     b = pm.step(((x.cuda(),), y.cuda()), loss_fn)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_tune_fits_the_host_link_and_host_memory_from_the_offload_microbenchmarks():
+    """`autopar tune` measures what offload runs on (pinned copies, the CPU's fused AdamW) and
+    the fitted profile then predicts those measurements (tools/microbench + tools/tune)."""
+    from autopar.cost import load_profile
+    from autopar.tools.microbench import compute_suite, predicted_seconds, run_compute
+    from autopar.tools.tune import fit_profile
+
+    base = load_profile("h100-sxm")
+    items = []
+    for n in (2**24, 2**26):
+        for direction in ("h2d", "d2h"):
+            items.append({"kind": "host_copy", "dtype": "fp32", "numel": n, "direction": direction,
+                          "bytes": 4.0 * n, "seconds": 4.0 * n / 40e9 + 5e-6})
+        items.append({"kind": "host_step", "dtype": "fp32", "numel": n, "bytes": 28.0 * n,
+                      "seconds": 28.0 * n / 120e9})
+    fitted, fits = fit_profile(base, items, [])
+    assert fitted.host_bandwidth == pytest.approx(40e9, rel=2e-2)
+    assert fitted.host_memory_bandwidth == pytest.approx(120e9, rel=1e-6)
+    assert fits["host memory (CPU fused AdamW)"]["was"] == base.host_memory_bandwidth
+    for it in items:
+        assert predicted_seconds(it, fitted) == pytest.approx(it["seconds"], rel=3e-2)
+    # on this machine: the CPU step item of the suite runs and is priced by the same formula
+    step = [i for i in compute_suite("cpu", quick=True) if i["kind"] == "host_step"][0]
+    got = run_compute(step, "cpu")
+    assert got["seconds"] > 0 and got["bytes"] == 28.0 * step["numel"]
+    assert predicted_seconds(got, base) == pytest.approx(got["bytes"] / base.host_memory_bandwidth)

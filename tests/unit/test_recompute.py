@@ -28,6 +28,7 @@ import time
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
@@ -380,6 +381,8 @@ def test_the_pass_runs_under_the_pass_manager_and_keeps_names_and_plans_round_tr
     assert list(g.state_dict()) == list(gm.state_dict())
     regions = [m for m in g.modules() if type(m).__name__ == "CheckpointRegion"]
     assert len(regions) == sum(v != "none" for v in modes.values())
+    # gpt's blocks draw no random numbers: no RNG state saved and restored around them
+    assert regions and not any(r.preserve_rng for r in regions)
     torch.testing.assert_close(g(args[0][:2]), gm(args[0][:2]), rtol=0, atol=0)  # any batch size
     with torch.no_grad():  # no checkpointing without grad
         torch.testing.assert_close(g(*args), gm(*args), rtol=0, atol=0)
@@ -401,3 +404,27 @@ def test_plans_the_pass_cannot_carry_out_are_errors_that_name_the_module():
         plan_recompute(gm, 1000)
     _modes, rep = plan_recompute(gm, 1000, strict=False)
     assert not rep.fits and rep.notes
+
+
+def test_a_region_preserves_the_rng_state_only_when_it_may_draw_random_numbers():
+    from autopar.passes.recompute import draws_random
+
+    def body(fn, *shapes):
+        g = fx.Graph()
+        xs = [g.placeholder(f"x{i}") for i in range(len(shapes))]
+        g.output(fn(g, *xs))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    aten = torch.ops.aten
+    assert not draws_random(body(lambda g, a, b: g.call_function(aten.mm.default, (a, b)), 1, 1))
+    assert draws_random(body(lambda g, a: g.call_function(aten.native_dropout.default, (a, 0.1, True)), 1))
+    assert draws_random(body(lambda g, a: g.call_function(aten.bernoulli.p, (a, 0.5)), 1))
+    sdpa = aten.scaled_dot_product_attention.default
+    assert not draws_random(body(lambda g, q, k, v: g.call_function(sdpa, (q, k, v, None, 0.0, True)), 1, 1, 1))
+    assert draws_random(body(lambda g, q, k, v: g.call_function(sdpa, (q, k, v, None, 0.1, True)), 1, 1, 1))
+    assert not draws_random(body(lambda g, a: g.call_function(aten.native_dropout.default, (a, 0.0, True)), 1))
+    from autopar.runtime import kernels, rng
+
+    assert draws_random(body(lambda g, a: g.call_function(rng.dropout, (a, 0.1)), 1))  # the program's dropout
+    assert not draws_random(body(lambda g, a, b: g.call_function(kernels.swiglu, (a, b)), 1, 1))
+    assert draws_random(body(lambda g, a: g.call_function(lambda t: t * 2, (a,)), 1))  # unknown: counted as random
