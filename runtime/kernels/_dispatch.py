@@ -49,8 +49,15 @@ def interpret_env() -> bool:
 
 
 def triton_mode() -> str:
-    """'off', 'auto' or 'interpret', from AUTOPAR_TRITON and TRITON_INTERPRET."""
-    value = os.environ.get("AUTOPAR_TRITON", "").strip().lower()
+    """'off', 'auto' or 'interpret', from AUTOPAR_TRITON and TRITON_INTERPRET (read at every
+    call, so a changed environment takes effect; parsed once per pair of values: every fused
+    call on the GPU asks, and its host time is the step's when kernels are small)."""
+    return _mode_of(os.environ.get("AUTOPAR_TRITON", ""), os.environ.get("TRITON_INTERPRET", ""))
+
+
+@functools.lru_cache(maxsize=64)
+def _mode_of(autopar_triton: str, triton_interpret: str) -> str:
+    value = autopar_triton.strip().lower()
     if value in _OFF:
         return "off"
     if value == "interpret":
@@ -60,7 +67,7 @@ def triton_mode() -> str:
             f"AUTOPAR_TRITON={value!r} is not understood; use 'auto' (Triton on CUDA, "
             "torch elsewhere), 'off' (always torch) or 'interpret' (Triton's CPU interpreter)"
         )
-    return "interpret" if interpret_env() else "auto"
+    return "interpret" if triton_interpret.strip().lower() in _TRUE else "auto"
 
 
 @functools.cache
@@ -75,7 +82,7 @@ def use_triton(op: str, *tensors: torch.Tensor | None) -> bool:
     """
     present = [t for t in tensors if t is not None]
     mode = triton_mode()
-    dtypes_ok = all(t.dtype in SUPPORTED_DTYPES for t in present if t.is_floating_point())
+    dtypes_ok = all(t.dtype in SUPPORTED_DTYPES or not t.is_floating_point() for t in present)
     if mode == "interpret":
         if not triton_available():
             raise RuntimeError(

@@ -15,6 +15,8 @@ Reads and writes no node.meta keys (runtime code).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,7 @@ def cast_to(x, dtype: tl.constexpr):
 MAX_ROW_BLOCK = 65536  # widest row a one-block row kernel keeps in registers
 
 
+@functools.lru_cache(maxsize=256)
 def row_block(n: int, op: str) -> tuple[int, int]:
     """(BLOCK, num_warps) for kernels that hold one whole row of `n` elements."""
     block = triton.next_power_of_2(max(n, 1))
@@ -54,6 +57,11 @@ def row_block(n: int, op: str) -> tuple[int, int]:
     return block, (4 if block <= 2048 else 8 if block <= 4096 else 16 if block <= 8192 else 32)
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_workers(device: torch.device, rows: int) -> tuple[int, int]:
     """(programs, rows per program) for kernels that loop over rows and reduce across them.
 
@@ -61,7 +69,7 @@ def num_workers(device: torch.device, rows: int) -> tuple[int, int]:
     the cross-program reduction, few enough to stay fast).
     """
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4
     per_program = triton.cdiv(max(rows, 1), min(target, max(rows, 1)))
