@@ -119,14 +119,14 @@ class ParallelModel(nn.Module):
         self.program.rng.manual_seed(seed)
 
     def plan_text(self) -> str:
-        from autopar.tools.report import plan_text
+        from autopar.search.plan_text import plan_text
 
         return plan_text(self)
 
     def dump(self, out_dir: str) -> list[str]:
         """Write the plan (plan.json), this rank's rewritten graph, the captured global graph,
         the pass log and a text report into `out_dir`. Returns the files written."""
-        from autopar.tools.report import plan_text
+        from autopar.search.plan_text import plan_text
 
         os.makedirs(out_dir, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0

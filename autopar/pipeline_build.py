@@ -18,7 +18,7 @@ the mesh has a pp axis larger than one:
 
 Stage graphs of other ranks are returned for dumps with their parameters on the meta
 device, so they hold no memory. `write_schedule_svg(plan, out_dir)` draws the schedule of a
-plan (Gantt chart per rank, `autopar.tools.gantt`) and writes its text grid next to it;
+plan (Gantt chart per rank, `autopar.build.gantt`) and writes its text grid next to it;
 `write_stage_graphs` writes every stage's code.
 
 Reads and writes node.meta only through the passes it runs; writes plan.split_points,
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.tools.gantt import write_gantt_svg
+from autopar.build.gantt import write_gantt_svg
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager, PassRecord
 from autopar.passes.plan import Plan

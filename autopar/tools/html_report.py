@@ -11,7 +11,7 @@ anywhere; the page opens from a file on a machine without a network):
   * recompute and fusion decisions;
   * memory breakdown per rank: stacked bars (parameters, gradients, fp32 masters, optimizer
     state, buffers, activations, transient) against the device capacity;
-  * the pipeline Gantt chart (`autopar.tools.gantt`, simulated with the search's stage times);
+  * the pipeline Gantt chart (`autopar.build.gantt`, simulated with the search's stage times);
   * the alternatives, per-layer costs, collectives and notes.
 
 A ten-line script filters the node table and marks the page `data-ready`; a `window.onerror`

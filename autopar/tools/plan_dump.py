@@ -27,7 +27,7 @@ from typing import Callable
 import torch.fx as fx
 
 from autopar.cost import analyze, estimate
-from autopar.tools.gantt import gantt_svg
+from autopar.build.gantt import gantt_svg
 from autopar.tools.html_report import ReportInput, render_html
 from autopar.passes.dump import graph_text, write_graph
 from autopar.passes.pass_manager import PassContext, PassManager

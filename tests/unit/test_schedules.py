@@ -4,7 +4,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from autopar.tools.gantt import gantt_svg, write_gantt_svg
+from autopar.build.gantt import gantt_svg, write_gantt_svg
 from autopar.runtime.schedules import (Action, Kind, Schedule, gpipe, interleaved_1f1b, make_schedule,
                                        one_f_one_b, simulate, zbv, zero_bubble_h1)
 
