@@ -50,7 +50,7 @@ from .program import evaluate
 from .rng import RNGTracker
 from .schedules import Schedule, make_schedule
 from .zero import broadcast_module, make_engine
-from .zero_engine import local_norm_parts, reduce_norm_parts
+from .grad_norm import local_norm_parts, reduce_norm_parts
 
 __all__ = ["PipelineProgram", "PipelineEngines", "PipelineOptimizer"]
 

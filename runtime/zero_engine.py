@@ -24,43 +24,13 @@ import torch.nn as nn
 from . import collectives as C
 from . import zero_plain_optim
 from .collective_errors import where
+from .grad_norm import local_norm_parts, reduce_norm_parts
 from .offload import GradStage, host_copy, optimizer_kwargs, to_device
 from .zero_optim import DynamicLossScaler, ScaleGrad, ShardedOptimizer, unscale_and_check
 from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make_buckets, read_rows, shard_info
 
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
-
-
-def local_norm_parts(parts: Mapping[tuple[str, ...], list[torch.Tensor]], keys: list[tuple[str, ...]],
-                     norm_type: float, acc: torch.dtype, device) -> torch.Tensor:
-    """One entry per key of `keys`: sum of |g|^p (max |g| for p = inf) over this rank's
-    gradients whose model-parallel axes are that key."""
-    inf = norm_type == float("inf")
-    zero = torch.zeros((), device=device, dtype=acc)
-    if inf:
-        return torch.stack([max((g.detach().abs().max().to(device, acc) for g in parts.get(k, []) if g.numel()),
-                                default=zero) for k in keys])
-    return torch.stack([sum((g.detach().to(acc).abs().pow(norm_type).sum().to(device) for g in parts.get(k, [])),
-                            zero) for k in keys])
-
-
-def reduce_norm_parts(t: torch.Tensor, keys: list[tuple[str, ...]], inf: bool,
-                      sharded_axis: str | None = None) -> torch.Tensor:
-    """`local_norm_parts` of every rank combined: each part reduced over `sharded_axis` (ZeRO
-    rows) and over the axes that shard it, then the parts summed (the max for p = inf): the
-    norm to the power p, or the max norm."""
-    op = "max" if inf else "sum"
-    if sharded_axis is not None:
-        C.all_reduce_(t, sharded_axis, op)
-    out = [t[0]]
-    for i, key in enumerate(keys[1:], start=1):
-        part = t[i:i + 1].clone()
-        for a in key:
-            C.all_reduce_(part, a, op)
-        out.append(part[0])
-    s = torch.stack(out)
-    return s.max() if inf else s.sum()
 
 @dataclass
 class _Slot:
