@@ -74,6 +74,7 @@ import torch.nn.functional as F
 
 # plans as data for clusters this machine does not have (recompute inside pipeline stages)
 ALLOW = {"recompute_with_pp": True}
+UNLIMITED = 2.0**60  # bytes: a memory limit no plan reaches (to price a plan the cost model says cannot fit)
 
 
 # ----------------------------------------------------------------------------- GPT-3 model
@@ -248,16 +249,21 @@ def cost_row(row: Row, planner: bool = True) -> dict[str, Any]:
     gm = build_and_capture(row)
     hw = hardware(row)
     limit = 0.9 * row.memory_gb * 2**30 if row.memory_gb else None
+    pinned = dict(pins=row.pins, global_batch=row.global_batch, allow=ALLOW, top_k=1, precision={"offload": False})
     try:
-        plan, _ = plan_for(gm, row.gpus, hw, pins=row.pins, global_batch=row.global_batch, allow=ALLOW,
-                           memory_limit=limit, top_k=1, precision={"offload": False})
-        out["plan"] = plan
-        out["predicted"] = figure(row, plan.predicted)
-        out["error"] = out["predicted"] / row.published - 1
-        out["fits"] = bool(plan.predicted.get("fits", True))
-        out["predicted_step_s"] = float(plan.predicted["step_s"])
-    except ValueError as e:  # the published plan does not fit the profile's memory: say so, do not fake it
-        out["not_costed"] = f"published plan rejected by the cost model: {str(e)[:160]}"
+        plan, _ = plan_for(gm, row.gpus, hw, memory_limit=limit, **pinned)
+    except ValueError as e:
+        if "fits the memory limit" not in str(e):
+            raise
+        # the cost model says the published plan does not fit, though it ran: price its time
+        # anyway with no memory limit, and flag the row with the predicted peak
+        out["over_memory"] = str(e)
+        plan, _ = plan_for(gm, row.gpus, hw, memory_limit=UNLIMITED, **pinned)
+    out["plan"] = plan
+    out["predicted"] = figure(row, plan.predicted)
+    out["error"] = out["predicted"] / row.published - 1
+    out["peak_gib"] = float(plan.predicted["peak_bytes"]) / 2**30
+    out["predicted_step_s"] = float(plan.predicted["step_s"])
     if planner:
         try:
             pplan, _ = plan_for(gm, row.gpus, hw, global_batch=row.global_batch, allow=ALLOW, memory_limit=limit,
@@ -265,14 +271,14 @@ def cost_row(row: Row, planner: bool = True) -> dict[str, Any]:
             out["planner_plan"] = pplan
             out["planner_figure"] = figure(row, pplan.predicted)
         except ValueError as e:
-            out["planner_error"] = str(e)[:120]
+            out["planner_error"] = str(e)
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
 # ----------------------------------------------------------------------------- table
-HEAD = ["row", "GPUs", "published plan", "published", "predicted", "error", "planner's plan", "planner predicts",
-        "s"]
+HEAD = ["row", "GPUs", "published plan", "published", "predicted", "error", "peak GiB", "planner's plan",
+        "planner predicts", "s"]
 
 
 def table_row(r: dict) -> list[str]:
@@ -281,22 +287,31 @@ def table_row(r: dict) -> list[str]:
     err = r.get("error")
     pp = r.get("planner_plan")
     return [row.key, f"{row.gpus:,}", published_label(row), fmt(row, row.published),
-            fmt(row, pred) if pred is not None else f"not costed: {r['not_costed']}",
+            fmt(row, pred) if pred is not None else "not costed (note)",
             f"{err:+.1%}" if err is not None else "-",
+            (f"{r['peak_gib']:.1f}" + (" OVER" if r.get("over_memory") else "")) if "peak_gib" in r else "-",
             plan_label(pp) if pp is not None else (r.get("planner_error", "-") if "planner_error" in r else "-"),
             fmt(row, r.get("planner_figure")), f"{r['seconds']:.1f}"]
 
 
 def print_table(results: list[dict]) -> None:
     rows = [HEAD] + [table_row(r) for r in results]
-    # a "not costed" reason is long: let it run past its column rather than widen the table
-    widths = [max(len(x[i]) for x in rows if not x[4].startswith("not costed") or i != 4) for i in range(len(HEAD))]
+    widths = [max(len(x[i]) for x in rows) for i in range(len(HEAD))]
     for x in rows:
         print(" | ".join(c.ljust(w) if i < len(HEAD) - 1 else c for i, (c, w) in enumerate(zip(x, widths))).rstrip())
     errs = [abs(r["error"]) for r in results if r.get("error") is not None]
     n10 = sum(e <= 0.10 for e in errs)
     n15 = sum(e <= 0.15 for e in errs)
     print(f"summary: {len(errs)} rows costed of {len(results)}; within +-10 %: {n10}; within +-15 %: {n15}")
+    for r in results:
+        key = r["row"].key
+        if r.get("not_costed"):
+            print(f"note {key}: not costed: {r['not_costed']}")
+        if r.get("over_memory"):
+            print(f"note {key}: OVER: the cost model rejects the published plan, which ran: {r['over_memory']}; "
+                  "its time is priced with no memory limit")
+        if r.get("planner_error"):
+            print(f"note {key}: the planner found no plan: {r['planner_error']}")
 
 
 def main(argv=None) -> None:

@@ -103,6 +103,8 @@ def row_wise_failure(n: fx.Node, rows: set) -> str | None:
     if op == "operator.getitem":
         return None  # an element of a row-wise tuple op (chunk, split): rows stay rows
     fn = RULES.get(op)
+    if fn is None and _inplace_of(op) in RULES:  # x.add_(y) keeps rows apart exactly when x.add(y) does
+        fn = RULES[_inplace_of(op)]
     if fn is None:
         return f"{op} has no sharding rule in passes/rules/sharding_table.py"
     inputs = [a for a in n.all_input_nodes if is_tensor(a)]
@@ -127,6 +129,14 @@ def row_wise_failure(n: fx.Node, rows: set) -> str | None:
         if not (sizes and sizes[0] == -1 and all(isinstance(d, int) for d in sizes[1:]) and
                 all(isinstance(d, int) for d in ins[1:]) and math.prod(sizes[1:]) == math.prod(ins[1:])):
             return f"it reshapes rows to {sizes}, fixing the row count"
+    return None
+
+
+def _inplace_of(op: str) -> str | None:
+    """"aten.add.Tensor" for the in-place "aten.add_.Tensor" (None for any other name)."""
+    parts = op.split(".")
+    if len(parts) >= 2 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_"):
+        return ".".join([parts[0], parts[1][:-1], *parts[2:]])
     return None
 
 

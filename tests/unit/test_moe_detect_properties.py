@@ -115,6 +115,23 @@ def test_clamp_is_row_wise_by_its_rule_and_a_mean_over_rows_is_not():
     assert "no strategy S(0)" in row_wise_failure(lin, {lin.args[0], lin.args[1]})  # rows times rows mixes
 
 
+def test_an_in_place_elementwise_op_is_row_wise_by_its_functional_rule():
+    """gpt-oss adds its experts' biases in place after the grouped matmul (`out += bias[...]`):
+    an in-place op is row-wise exactly when its functional form is."""
+    class AddInPlace(nn.Module):
+        def forward(self, x, y):
+            z = x * 2
+            z.add_(y)
+            return z.mul_(3.0)
+
+    m = autopar.capture(AddInPlace(), (torch.randn(3, 4), torch.randn(3, 4)))
+    ops = {str(n.target): n for n in m.graph.nodes if n.op == "call_function"}
+    add_, mul_ = ops["aten.add_.Tensor"], ops["aten.mul_.Tensor"]
+    assert row_wise_failure(add_, set(add_.all_input_nodes)) is None  # rows + rows, elementwise
+    assert row_wise_failure(mul_, set(mul_.all_input_nodes)) is None
+    assert "no strategy S(0)" in row_wise_failure(add_, {add_.args[0]})  # rows + a replicated (3, 4): mixes
+
+
 def test_an_expert_op_that_mixes_rows_is_named_with_its_rule_and_what_to_do():
     gm = _capture(mix_expert=3)
     with pytest.raises(MoEDetectError) as err:
