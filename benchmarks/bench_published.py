@@ -29,7 +29,9 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   1), schedule 1f1b (Megatron's non-interleaved default; Table 3 names no interleaving),
   recompute "none": selective recompute in the paper exists to drop the s^2 attention
   scores, which the profile's flash-attention kernel never stores (and whose backward
-  recomputes them), so no block is recomputed in full.
+  recomputes them), so no block is recomputed in full. The tied embedding across pipeline
+  stages with bf16 parameters is allowed (`ALLOW["zero_with_tied_pp"]`): Megatron runs it,
+  autopar's runtime does not yet, and the planner otherwise offers no such candidate.
 * llama3-405b-8k-8192 / -16384 / -128k-16384 -- Dubey et al. 2024, "The Llama 3 Herd of Models"
   (arXiv 2407.21783), Table 4: 8,192 GPUs TP8 CP1 PP16 DP64 seq 8,192 batch/DP 32, 16M
   tokens/batch, 430 TFLOPs/GPU, 43 % BF16 MFU; 16,384 GPUs TP8 CP1 PP16 DP128 seq 8,192
@@ -72,8 +74,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# plans as data for clusters this machine does not have (recompute inside pipeline stages)
-ALLOW = {"recompute_with_pp": True}
+# plans as data for clusters this machine does not have: recompute inside pipeline stages, and
+# a tied embedding / output layer across stages with 16-bit parameters (Megatron all-reduces
+# the two copies' gradients between the first and last stage; autopar's runtime cannot yet)
+ALLOW = {"recompute_with_pp": True, "zero_with_tied_pp": True}
 UNLIMITED = 2.0**60  # bytes: a memory limit no plan reaches (to price a plan the cost model says cannot fit)
 
 
@@ -133,6 +137,7 @@ class Row:
     source: str
     memory_gb: float | None = None  # device memory of the published run when it differs from the profile's
     not_costed: str | None = None  # why the published plan cannot be priced through the API
+    cp: int = 1  # context-parallel degree of the published plan
 
 
 def _mega(key, h, a, L, tp, pp, batch, t):
@@ -145,7 +150,7 @@ def _llama(key, gpus, dp, per_dp, mfu, seq=8192, cp=1):
     return Row(key, ("spec", "llama3-405b"), gpus, "h100-sxm", seq, dp * per_dp,
                {"tp": 8, "pp": 16, "dp": dp, "zero_stage": 2, "n_microbatches": per_dp, "schedule": "interleaved_1f1b"},
                "mfu", mfu, "Llama 3 paper, Table 4",
-               not_costed=None if cp == 1 else
+               cp=cp, not_costed=None if cp == 1 else
                f"cp={cp}: plan_for has no cp pin (tp/pp/dp/ep only) and cost.estimate prices cp but not pipeline "
                "stages (pp=16 costed as one stage)")
 
@@ -169,8 +174,20 @@ ROWS: dict[str, Row] = {r.key: r for r in [
 ]}
 
 
+_CAPTURED: dict[tuple, Any] = {}
+
+
 def build_and_capture(row: Row):
-    """The row's model built on meta and captured with 2 rows (the batch dim stays symbolic)."""
+    """The row's model built on meta and captured with 2 rows (the batch dim stays symbolic);
+    rows with the same model and sequence length share one capture."""
+    key = (repr(row.model), row.seq)
+    if key not in _CAPTURED:
+        _CAPTURED.clear()  # one graph at a time: a 405B graph is not small
+        _CAPTURED[key] = _build_and_capture(row)
+    return _CAPTURED[key]
+
+
+def _build_and_capture(row: Row):
     from autopar.capture import capture
     from autopar.models import GPT, GPTConfig, get
 
@@ -220,7 +237,8 @@ def plan_label(plan) -> str:
     parts = [f"tp{m.get('tp', 1)}", f"pp{m.get('pp', 1)}", f"dp{m.get('dp', 1)}", f"Z{plan.zero_stage}",
              f"mb{plan.n_microbatches}"]
     if m.get("pp", 1) > 1 and plan.schedule:
-        parts.append(str(plan.schedule))
+        v = plan.extra.get("pp_virtual", 1)
+        parts.append(str(plan.schedule) + (f"(v{v})" if v > 1 else ""))
     rc = plan.recompute
     n_rc = len(rc) if isinstance(rc, dict) else (0 if rc in (None, "none") else rc)
     if n_rc:
@@ -230,9 +248,8 @@ def plan_label(plan) -> str:
 
 def published_label(row: Row) -> str:
     p = row.pins
-    cp = 16 if row.not_costed else 1
-    return (f"tp{p['tp']} pp{p['pp']} dp{p['dp']}" + (f" cp{cp}" if cp > 1 else "")
-            + f" Z{p['zero_stage']} mb{p['n_microbatches']}")
+    return (f"tp{p['tp']} pp{p['pp']} dp{p['dp']}" + (f" cp{row.cp}" if row.cp > 1 else "")
+            + f" Z{p['zero_stage']} mb{p['n_microbatches']}" + (f" {p['schedule']}" if "schedule" in p else ""))
 
 
 def cost_row(row: Row, planner: bool = True) -> dict[str, Any]:
@@ -277,7 +294,7 @@ def cost_row(row: Row, planner: bool = True) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- table
-HEAD = ["row", "GPUs", "published plan", "published", "predicted", "error", "peak GiB", "planner's plan",
+HEAD = ["row", "GPUs", "published plan (as costed)", "published", "predicted", "error", "peak GiB", "planner's plan",
         "planner predicts", "s"]
 
 
@@ -286,8 +303,10 @@ def table_row(r: dict) -> list[str]:
     pred = r.get("predicted")
     err = r.get("error")
     pp = r.get("planner_plan")
-    return [row.key, f"{row.gpus:,}", published_label(row), fmt(row, row.published),
-            fmt(row, pred) if pred is not None else "not costed (note)",
+    return [row.key, f"{row.gpus:,}", plan_label(r["plan"]) if "plan" in r else published_label(row),
+            fmt(row, row.published),
+            (fmt(row, pred) + (f" ({r['predicted_step_s']:.2f} s)" if row.metric != "step_s" else ""))
+            if pred is not None else "not costed (note)",
             f"{err:+.1%}" if err is not None else "-",
             (f"{r['peak_gib']:.1f}" + (" OVER" if r.get("over_memory") else "")) if "peak_gib" in r else "-",
             plan_label(pp) if pp is not None else (r.get("planner_error", "-") if "planner_error" in r else "-"),

@@ -150,7 +150,10 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
     eps = [1]
     if model.has_moe and support.get("ep"):
         eps += [e for e in _divisors(world) if e > 1 and model.n_experts % e == 0]
-    tied = _has_tied(model.gm)
+    tied = has_tied(model.gm)
+    # PipelineProgram sums a tied weight's stage gradients on .grad, which neither ZeRO 1-3 nor
+    # 16-bit parameters (masters elsewhere) keep: such pipelines are not planned
+    sixteen = (getattr(model, "precision", None) or {}).get("param_dtype") in ("bf16", "fp16")
     out = []
     for t in _divisors(world):
         if t > hw.gpus_per_node and "tp" not in pins:
@@ -177,7 +180,7 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
                         if p > 1 and m < p and sched != "1f1b":
                             continue  # fewer micro-batches than ranks: 1F1B is as good as any
                         for z in zeros:
-                            if p > 1 and tied and z and not support.get("zero_with_tied_pp"):
+                            if p > 1 and tied and (z or sixteen) and not support.get("zero_with_tied_pp"):
                                 continue
                             c = replace(c0, zero=z)
                             if _matches(c, pins):
@@ -198,5 +201,5 @@ def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:
     return True
 
 
-def _has_tied(gm: fx.GraphModule) -> bool:
+def has_tied(gm: fx.GraphModule) -> bool:
     return len(list(gm.named_parameters(remove_duplicate=False))) != len(list(gm.named_parameters()))

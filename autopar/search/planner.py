@@ -74,7 +74,7 @@ from autopar.cost import load_profile
 from autopar.cost.placements import Layout
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import brief_names
-from autopar.search.candidate import Candidate, Evaluation, candidates, plain
+from autopar.search.candidate import Candidate, Evaluation, candidates, has_tied, plain
 from autopar.search.explain import DIMENSIONS, PlanReport, dimension_rows, gib, seconds
 from autopar.search.plan_cache import PLANNER_VERSION, cache_key, disk_get, disk_put, graph_fingerprint
 from autopar.search.plan_cost import PlanCostModel
@@ -413,7 +413,10 @@ class _Search:
         return (f"no plan of {self.world} ranks matches the pins {fixed}: tp x pp x dp x ep must equal {self.world}, "
                 f"tp at most {m.hw.gpus_per_node} (GPUs per node), pp at most {m.L} (pipeline units), dp x ep x "
                 f"micro-batches must divide the global batch of {m.global_batch} rows, interleaved schedules need "
-                f"micro-batches divisible by pp. Change or drop a pin")
+                f"micro-batches divisible by pp"
+                + ("; a model with tied weights gets pp > 1 only at ZeRO 0 in full precision (the pipeline sums "
+                   "their stage gradients on .grad)" if "pp" in pins and pins["pp"] > 1 and has_tied(m.gm) else "")
+                + ". Change or drop a pin")
 
     def _infeasible_message(self) -> str:
         """Find the plan that needs the least memory (every block recomputed, the split that

@@ -161,3 +161,21 @@ def test_every_refusal_the_matrix_lists_points_at_a_line_that_raises_it():
         here = src[int(line) - 1]
         assert "raise ValueError" in here or "problems.append" in here or "out.append" in here, \
             f"{path}:{line} is {here.strip()!r}, not a refusal: the line numbers in the matrix are stale"
+
+
+# --- the planner never emits what the runtime refuses: pp x tied x (ZeRO 1-3 | 16-bit) ---------
+def test_the_planner_plans_no_pipeline_the_runtime_refuses_for_tied_weights():
+    from autopar.passes.plan import precision_fields
+    from autopar.search.planner import clear_cache, plan_for
+
+    gm = _graph("gpt-tiny-tied")
+    for recipe in ("bf16-mixed", "fp16-mixed"):
+        clear_cache()
+        with pytest.raises(ValueError, match="tied weights gets pp > 1 only at ZeRO 0 in full precision"):
+            plan_for(gm, 2, "h100-sxm", pins={"pp": 2}, precision=precision_fields(recipe))
+    clear_cache()
+    plan, _ = plan_for(gm, 2, "h100-sxm", pins={"pp": 2}, precision=precision_fields("fp32"))
+    assert plan.mesh.get("pp") == 2 and plan.zero_stage == 0  # the runtime's supported corner
+    clear_cache()
+    plan, _ = plan_for(gm, 4, "h100-sxm", precision=precision_fields("bf16-mixed"))
+    assert plan.mesh.get("pp", 1) == 1, plan.mesh  # unpinned: never a tied pipeline in 16 bits
