@@ -109,11 +109,15 @@ class PipelineProgram(nn.Module):
             for m in self.stages.values():
                 broadcast_module(m, self.dp_axis)
         opts = dict(engine_options or {})
-        if self.tied and (zero_stage != 0 or opts.get("param_dtype") in (torch.float16, torch.bfloat16)):
+        sixteen = opts.get("param_dtype") in (torch.float16, torch.bfloat16)
+        if self.tied and (zero_stage != 0 or sixteen):
+            why = " and ".join(x for x in (f"ZeRO stage {zero_stage}" if zero_stage else "",
+                                           f"{opts['param_dtype']} parameters with separate masters" if sixteen else "")
+                               if x)
             raise ValueError(f"tied weights across pipeline stages ({self.tied[0][0][1]!r} on stages "
                              f"{self.tied[0][0][0]} and {self.tied[0][1][0]}) have their gradients summed on .grad, "
-                             f"which ZeRO stage {zero_stage} / mixed precision does not keep; use zero_stage=0 in "
-                             "full precision, or split so that both uses share a stage")
+                             f"which {why} does not keep; use zero_stage=0 in full precision, or split so that "
+                             "both uses share a stage")
         engines = {s: make_engine(stages[s], mesh, self.dp_axis, zero_stage, bucket_mb, **opts) for s in mine}
         self.engine = PipelineEngines(engines, mesh, pp_axis, self.dp_axis, self.tied)
         self._executors: dict[int, PipelineExecutor] = {}

@@ -114,7 +114,7 @@ def check_mesh_fits(global_gm: fx.GraphModule, mesh: Any) -> None:
     other = [a for a, s in sizes.items() if a not in RUN_AXES and s > 1]
     if other:
         problems.append(f"axes {other} are not carried out by this version (it runs {', '.join(RUN_AXES)}); "
-                        "give their ranks to dp, tp, pp or ep")
+                        "give their ranks to dp, tp, pp, ep or cp" + _SP_HINT * ("sp" in other))
     tp = sizes.get("tp", 1)
     if tp > 1:
         mats = {n: s for n, s in _tensors(global_gm, buffers=False).items() if len(s) >= 2}
@@ -140,9 +140,17 @@ def check_mesh_fits(global_gm: fx.GraphModule, mesh: Any) -> None:
     cp = sizes.get("cp", 1)
     if cp > 1 and (pp > 1 or ep > 1):
         problems.append(f"cp={cp} with {'pp' if pp > 1 else 'ep'} is not wired yet (context parallelism runs with dp, "
-                        "ZeRO and tp); put those ranks on dp or tp")
+                        f"ZeRO and tp): {_CP_WHY['pp' if pp > 1 else 'ep']}; put those ranks on dp or tp")
     if problems:
         raise ValueError(f"mesh {_mesh_text(sizes)} does not fit the model: " + "; ".join(problems))
+
+
+_SP_HINT = ("; sequence parallelism is not an axis: the tp sharding search chooses it for the norms and "
+            "dropouts between tp regions, so give those ranks to tp")
+_CP_WHY = {  # why context parallelism does not combine with these axes yet
+    "pp": "the pipeline's stage programs are cut before the context passes, so no stage splits the sequence",
+    "ep": "the expert dispatch counts tokens per rank along dim 0, and cp splits them along the sequence",
+}
 
 
 def _ep_problems(global_gm: fx.GraphModule, ep: int, sizes: Mapping[str, int]) -> list[str]:
@@ -161,7 +169,10 @@ def _ep_problems(global_gm: fx.GraphModule, ep: int, sizes: Mapping[str, int]) -
                        f"would: {', '.join(map(str, fit)) or 'none'}")
             break
     if sizes.get("pp", 1) > 1:
-        out.append("ep with pp is not wired yet; use a mesh without pp (or without ep)")
+        out.append(f"ep={ep} with pp={sizes['pp']} is not wired yet: the pipeline cuts the graph into stages before "
+                   "the expert pass runs, and the stage programs have no expert dispatch; keep the experts and drop pp "
+                   "(ep with dp / tp / ZeRO fits models whose experts dominate memory), or keep pp and put the ep "
+                   "ranks on dp or tp (the experts then replicated or tensor-sharded)")
     return out
 
 
@@ -179,7 +190,7 @@ def check_plan_against_graph(plan: Plan, global_gm: fx.GraphModule, mesh: Any) -
     other = [a for a, s in plan.mesh.items() if a not in RUN_AXES and s > 1]
     if other:
         problems.append(f"mesh axes {other} are not carried out by this version (it runs {', '.join(RUN_AXES)}): "
-                        "ranks on them would only repeat the work")
+                        "ranks on them would only repeat the work" + _SP_HINT * ("sp" in other))
     actual = graph_stamp(global_gm)
     why = explain_stamps(plan.graph, actual)
     if why and "tensors" in why:
@@ -272,7 +283,7 @@ def check_plan_against_graph(plan: Plan, global_gm: fx.GraphModule, mesh: Any) -
     cp = sizes.get("cp", 1)
     if cp > 1 and (pp > 1 or ep > 1):
         problems.append(f"cp={cp} with {'pp' if pp > 1 else 'ep'} is not wired yet (context parallelism runs with dp, "
-                        "ZeRO and tp); put those ranks on dp or tp")
+                        f"ZeRO and tp): {_CP_WHY['pp' if pp > 1 else 'ep']}; put those ranks on dp or tp")
     expert = plan.extra.get("expert") if isinstance(plan.extra, dict) else None
     if isinstance(expert, Mapping) and isinstance(expert.get("blocks"), Mapping):
         paths = _module_paths(global_gm)

@@ -50,9 +50,12 @@ def moe():
 
 # --- mesh pairs the checker refuses (autopar/build/plan_check.py) ------------------------------
 MESH_REFUSALS = [  # (matrix cell, model, mesh, key phrase of the message)
-    ("pp x ep", "moe", {"pp": 2, "ep": 2}, r"ep with pp is not wired yet; use a mesh without pp"),
-    ("pp x cp", "gpt", {"pp": 2, "cp": 2}, r"cp=2 with pp is not wired yet .*put those ranks on dp or tp"),
-    ("ep x cp", "moe", {"ep": 2, "cp": 2}, r"cp=2 with ep is not wired yet .*put those ranks on dp or tp"),
+    ("pp x ep", "moe", {"pp": 2, "ep": 2}, r"ep=2 with pp=2 is not wired yet: the pipeline cuts the graph .*"
+                                            r"drop pp .* or keep pp and put the ep ranks on dp or tp"),
+    ("pp x cp", "gpt", {"pp": 2, "cp": 2}, r"cp=2 with pp is not wired yet .*stage programs are cut .*"
+                                            r"put those ranks on dp or tp"),
+    ("ep x cp", "moe", {"ep": 2, "cp": 2}, r"cp=2 with ep is not wired yet .*counts tokens per rank .*"
+                                            r"put those ranks on dp or tp"),
     ("sp as a mesh axis", "gpt", {"dp": 2, "sp": 2}, r"axes \['sp'\] are not carried out by this version"),
 ]
 
@@ -81,7 +84,7 @@ def test_parallelize_refuses_pp_with_ep_before_any_step_in_one_process():
     spec = get("moe-tiny")
     torch.manual_seed(0)
     inputs, _ = spec.example_batch(4)
-    with pytest.raises(ValueError, match=r"ep with pp is not wired yet"):
+    with pytest.raises(ValueError, match=r"ep=2 with pp=2 is not wired yet"):
         autopar.parallelize(spec.build(), autopar.mesh(pp=2, ep=2), example_inputs=inputs)
 
 
@@ -97,11 +100,13 @@ def test_ulysses_is_refused_when_the_heads_per_tp_rank_do_not_divide_by_cp_and_r
 
 # --- pp x tied weights x ZeRO 1-3 / mixed precision (runtime/pipeline_program.py) -----------------
 TIED_REFUSALS = [  # (matrix cell, zero stage, engine options, key phrase)
-    ("pp x tie x Z1", 1, {}, r"which ZeRO stage 1 / mixed precision does not keep; use zero_stage=0"),
-    ("pp x tie x Z2", 2, {}, r"which ZeRO stage 2 / mixed precision does not keep; use zero_stage=0"),
-    ("pp x tie x Z3", 3, {}, r"which ZeRO stage 3 / mixed precision does not keep; use zero_stage=0"),
-    ("pp x tie x bf16-mixed", 0, {"param_dtype": torch.bfloat16}, r"mixed precision does not keep"),
-    ("pp x tie x fp16-mixed", 0, {"param_dtype": torch.float16}, r"mixed precision does not keep"),
+    ("pp x tie x Z1", 1, {}, r"which ZeRO stage 1 does not keep; use zero_stage=0"),
+    ("pp x tie x Z2", 2, {}, r"which ZeRO stage 2 does not keep; use zero_stage=0"),
+    ("pp x tie x Z3", 3, {}, r"which ZeRO stage 3 does not keep; use zero_stage=0"),
+    ("pp x tie x bf16-mixed", 0, {"param_dtype": torch.bfloat16},
+     r"which torch.bfloat16 parameters with separate masters does not keep"),
+    ("pp x tie x fp16-mixed", 0, {"param_dtype": torch.float16},
+     r"which torch.float16 parameters with separate masters does not keep"),
 ]
 
 
