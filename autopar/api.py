@@ -283,6 +283,11 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
     rank = dist.get_rank() if dist.is_initialized() else 0
     search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh), group=planning_group())
+    if mesh.size("ep") > 1 and (memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
+        raise ValueError(f"activation recomputation with expert parallelism (ep={mesh.size('ep')}) is not wired yet: "
+                         "after the expert pass the blocks hold the token dispatch, and the recompute search finds no "
+                         "block it can checkpoint (it would silently recompute nothing); drop memory_budget (and "
+                         "plan.recompute), or give the ep ranks to dp with ZeRO-3 to save memory instead")
     if mesh.size("ep") > 1 and "expert" not in plan.extra:
         if mesh.size("pp") > 1:
             raise ValueError("expert parallelism with pipeline parallelism is not wired yet; use a mesh without pp")

@@ -28,6 +28,7 @@ and aliases come in as plain data).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -46,10 +47,21 @@ def local_chunk(global_shape: Sequence[int], cuts: Sequence[tuple[str, int]], si
     (mesh axis, tensor dim) applied in order with torch.chunk's convention on what is left."""
     shape, offset = list(global_shape), [0] * len(global_shape)
     for axis, dim in cuts:
-        s, e = chunk_range(shape[dim], sizes[axis], coords[axis])
+        s, e = chunk_range(shape[dim], *axis_size_index(axis, sizes, coords))
         offset[dim] += s
         shape[dim] = e - s
     return tuple(shape), tuple(offset)
+
+
+def axis_size_index(axis: str, sizes: Mapping[str, int], coords: Mapping[str, int]) -> tuple[int, int]:
+    """(size, this rank's index) along `axis`; a joined axis ("dp+cp": ZeRO shards under context
+    parallelism) counts row-major over its parts, as `runtime.mesh.Mesh.index` does."""
+    if "+" not in axis:
+        return sizes[axis], coords[axis]
+    n, i = 1, 0
+    for part in axis.split("+"):
+        n, i = n * sizes[part], i * sizes[part] + coords[part]
+    return n, i
 
 
 @dataclasses.dataclass
@@ -224,21 +236,30 @@ _MESHES: dict = {}
 
 
 def _ckpt_order(mesh, dp_axes: set[str]) -> list[str]:
+    """The checkpoint mesh's dims: the mesh's axes, the data axes last; a joined data axis
+    ("dp+cp": ZeRO shards under context parallelism) is one dim in place of its parts."""
     names = list(mesh.axis_names)
+    for joined in sorted(a for a in dp_axes if "+" in a):
+        parts = joined.split("+")
+        names = [joined if a == parts[0] else a for a in names if a == parts[0] or a not in parts]
     return [a for a in names if a not in dp_axes] + [a for a in names if a in dp_axes]
 
 
 def _ckpt_mesh(mesh, order: list[str], device_type: str):
-    """A DeviceMesh over the job whose dims run in `order` (cuts applied left to right). Built
-    once per shape (collective: every rank builds the same meshes in the same order)."""
+    """A DeviceMesh over the job whose dims run in `order` (cuts applied left to right; a joined
+    dim counts its parts row-major, as `runtime.mesh.Mesh.index`). Built once per shape
+    (collective: every rank builds the same meshes in the same order)."""
     if order == list(mesh.axis_names) and device_type == mesh.device_type:
         return mesh.device_mesh
     key = (tuple(mesh.sizes.items()), tuple(order), device_type)
     if key not in _MESHES or _MESHES[key][0] is not dist.group.WORLD:
         from torch.distributed.device_mesh import DeviceMesh
 
+        names = list(mesh.axis_names)
+        flat = [part for a in order for part in a.split("+")]
         grid = torch.arange(mesh.world_size).reshape(tuple(mesh.sizes.values()))
-        grid = grid.permute([list(mesh.axis_names).index(a) for a in order])
+        grid = grid.permute([names.index(a) for a in flat])
+        grid = grid.reshape([math.prod(mesh.sizes[p] for p in a.split("+")) for a in order])
         _MESHES[key] = (dist.group.WORLD, DeviceMesh(device_type, grid, mesh_dim_names=tuple(order)))
     return _MESHES[key][1]
 

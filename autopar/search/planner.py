@@ -92,6 +92,7 @@ RUNTIME_SUPPORT = {
     "recompute_with_pp": True,  # pipeline_build runs the recompute pass stage by stage
     "zero_with_tied_pp": False,  # PipelineProgram: tied weights across stages need ZeRO 0
     "ep_with_pp": False,  # api.parallelize: "expert parallelism with pipeline parallelism is not wired yet"
+    "recompute_with_ep": False,  # api.parallelize: the recompute search finds no block after the expert pass
 }
 
 _MEMO: dict[str, tuple[dict, dict]] = {}
@@ -351,7 +352,7 @@ class _Search:
         return self.model.optimistic_bounds(c, self._may_recompute(c))
 
     def _may_recompute(self, c: Candidate) -> bool:
-        if self.recompute == "none":
+        if self.recompute == "none" or (c.ep > 1 and not self.support.get("recompute_with_ep")):
             return False
         return c.pp == 1 or bool(self.support.get("recompute_with_pp")) or self.recompute == "full" \
             or isinstance(self.recompute, Mapping)
