@@ -8,7 +8,7 @@ dimension pinned (`autopar.search.planner.plan_for(gm, world, hw, pins={"tp", "p
 "zero_stage", "n_microbatches", "schedule", "recompute"}, global_batch=...)`: with all axes
 pinned the planner costs that one configuration; what it still chooses is only what the
 publication does not say: the sharding on tp (sequence parallelism included), the stage split,
-interleaving depth, fusions). The pinned Plan's `predicted` (step time, MFU, tokens/s) is
+fusions, and recompute where it is not pinned). The pinned Plan's `predicted` (step time, MFU, tokens/s) is
 printed against the published figure, with error = predicted / published - 1 (for MFU and
 tokens/s a positive error means the cost model is optimistic, for step time pessimistic).
 Then `plan_for` runs unpinned on the same model, GPUs and global batch (as
@@ -17,14 +17,15 @@ benchmarks/bench_planner.py calls it) and its own plan and prediction are printe
 Rows and sources (the figures are copied from these; nothing is estimated here):
 
 * megatron-22b/175b/530b/1t -- Korthikanti et al. 2022, "Reducing Activation Recomputation in
-  Large Transformer Models" (arXiv 2205.05198), Table 3 (configs: h, heads, layers, TP, PP,
-  GPUs, global batch; seq 2048, micro-batch 1) and Table 4 (iteration time with sequence
-  parallelism + selective recompute: 1.10 s, 13.75 s, 37.83 s, 71.49 s), A100 80GB (Selene).
+  Large Transformer Models" (arXiv 2205.05198): configurations (h, heads, layers, TP, PP,
+  GPUs, global batch; seq 2048, micro-batch 1 assumed) and iteration times with sequence
+  parallelism + selective recompute (1.10 s, 13.75 s, 37.83 s, 71.49 s), A100 80GB.
   The figures are those given in the project's issue 22; the paper itself was not retrievable
   with this session's search tools, so they are not re-checked against the table here.
   Model: a GPT-3 block written below (`GPT3`: learned positions, pre-LayerNorm, fused QKV with
-  biases, causal attention with dropout 0.1, 4h GeLU MLP, tied 51,200-token head), not the
-  Llama-style `autopar.models.gpt` (RMSNorm/SwiGLU/RoPE), which is not the paper's model.
+  biases, causal attention with dropout 0.1, 4h GeLU MLP, tied 51,200-token head: Megatron's
+  padded GPT-2 vocabulary, which the paper's table does not list), not the Llama-style
+  `autopar.models.gpt` (RMSNorm/SwiGLU/RoPE), which is not the paper's model.
   Pins: dp = 1 (GPUs = tp x pp), ZeRO 0 (dp = 1), micro-batches = global batch (micro-batch
   1), schedule 1f1b (Megatron's non-interleaved default; Table 3 names no interleaving),
   recompute "none": selective recompute in the paper exists to drop the s^2 attention
@@ -33,14 +34,18 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   stages with bf16 parameters is allowed (`ALLOW["zero_with_tied_pp"]`): Megatron runs it,
   autopar's runtime does not yet, and the planner otherwise offers no such candidate.
 * llama3-405b-8k-8192 / -16384 / -128k-16384 -- Dubey et al. 2024, "The Llama 3 Herd of Models"
-  (arXiv 2407.21783), Table 4: 8,192 GPUs TP8 CP1 PP16 DP64 seq 8,192 batch/DP 32, 16M
-  tokens/batch, 430 TFLOPs/GPU, 43 % BF16 MFU; 16,384 GPUs TP8 CP1 PP16 DP128 seq 8,192
-  batch/DP 16, 400 TFLOPs, 41 %; 16,384 GPUs TP8 CP16 PP16 DP8 seq 131,072 batch/DP 16,
-  380 TFLOPs, 38 %. The MFU column is compared with the cost model's MFU (its own FLOP count
-  of the captured graph over the bf16 peak; the paper's FLOP count is its own).
+  (arXiv 2407.21783), the table of 4D-parallel configurations: 8,192 GPUs TP8 CP1 PP16 DP64
+  seq 8,192, 43 % BF16 MFU; 16,384 GPUs TP8 CP1 PP16 DP128 seq 8,192, 41 %; 16,384 GPUs TP8
+  CP16 PP16 DP8 seq 131,072, 38 % (configs and MFU as given in issue 22; the 38-43 % range is
+  confirmed by aiportalx.com/meta-ai/llama-3.1-8b quoting the paper). The batch, 16M tokens
+  per step = 2,048 sequences of 8,192 (batch/DP 32 and 16, micro-batch 1), is the paper's as
+  recalled, NOT re-checked with this session's tools. The MFU column is compared with the cost
+  model's MFU (its own FLOP count of the captured graph over the bf16 peak; the paper's FLOP
+  count is its own).
   Pins: ZeRO 2 (the paper's FSDP shards optimizer states and gradients but does not reshard
   parameters after forward), micro-batches = batch/DP (micro-batch 1), interleaved_1f1b (the
-  paper's schedule is interleaved), recompute left to the planner (not published).
+  paper's schedule is interleaved; autopar's has 2 virtual stages per rank,
+  `cost.schedule.SCHEDULE_VIRTUAL`, not a pin), recompute left to the planner (not published).
   The CP16 row is "not costed": `plan_for` has no cp axis to pin (pins are tp/pp/dp/ep) and
   `cost.estimate` prices cp but costs pipeline stages as one stage, so PP16 x CP16 cannot be
   priced through the public API.
@@ -54,6 +59,18 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
 * ours-1.1b -- measured here: the 1.1 B Llama-style GPT of scripts/gpu_check, bf16-mixed,
   batch 4 x 2048, one H100 (world 1, profile h100-sxm), 122 ms per step
   (benchmarks/RESULTS.md, the "autopar dp" row of the gpu_check table, 2026-11-25).
+
+Columns: the plan as costed (the pinned Plan's mesh, ZeRO stage, micro-batches, schedule with
+its interleaving depth, recompute units "rcN" the planner added where recompute was not
+pinned), the published figure, the predicted one (for MFU and tokens/s rows with the predicted
+step time), the error, the predicted peak per GPU ("OVER": the cost model says the published
+plan, which ran, does not fit; its time is then priced with no memory limit and a note says
+by how much), the unpinned planner's plan and prediction, seconds spent on the row. Then the
+number of rows within +-10 % and +-15 %, and notes.
+
+Run time: about 10 minutes wall on the shared 2-core machine (7 min CPU; megatron-1t 220 s and
+megatron-530b 135 s, mostly the unpinned planner over 512 / 280 ranks); `--no-planner` costs
+the published plans only.
 
 Profiles: A100 rows on `a100-80gb`, H100 rows on `h100-sxm`, widened to the row's node count
 with `Hardware.with_nodes` as bench_planner does for 405B. Memory limit: the planner's default

@@ -1,9 +1,10 @@
-"""Pairs of strategies that docs/support_matrix.md listed as untested, trained through
-`autopar.parallelize` on 4 gloo ranks against one process: ZeRO x recompute, ZeRO x cp,
-offload x tp, offload x recompute, tp x fusions, recompute x fusions, cp x fusions,
-ep x ZeRO-3 with the load-balancing loss on, and dp x tied weights x fusions; and ep x recompute,
-refused before any step (the recompute search found no block to checkpoint after the expert
-pass and silently recomputed nothing).
+"""Pairs (and triples) of strategies that docs/support_matrix.md listed as untested, trained
+through `autopar.parallelize` on 4 gloo ranks against one process: ZeRO x recompute / cp /
+fusions / pp, offload x tp / recompute / cp / ep / tied / fusions / micro-batches, fusions x tp
+/ recompute / cp / ep / pp / tied / micro-batches, cp x tied / micro-batches, recompute x tied,
+ep x ZeRO-3 with the load-balancing loss on; and ep x recompute, refused before any step (the
+recompute search found no block to checkpoint after the expert pass and silently recomputed
+nothing).
 
 One spawned world runs every cell. Each cell: the reference GPT (or MoE) in float64, three
 AdamW steps at lr 1e-2 on the same batches as one process; the loss of every step within
@@ -82,6 +83,22 @@ CELLS = [  # (cell, model, mesh, parallelize keywords, what the program must hol
      ["ring_attention", "swiglu"]),
     ("ep x Z3 (aux loss on)", "moe", dict(dp=2, ep=2), dict(zero_stage=3), ["dispatch"]),
     ("dp x tie x fus", "gpt-tied", dict(dp=4), dict(pins={"fusions": FUSIONS}), ["swiglu"]),
+    # triples: each covers three pairs at once
+    ("dp x off", "gpt", dict(dp=4), dict(zero_stage=0, offload=True), []),
+    ("Z2 x rc x fus", "gpt", dict(dp=4), dict(zero_stage=2, memory_budget=0.3, pins={"fusions": FUSIONS}),
+     ["region", "swiglu"]),
+    ("Z3 x fus x mb", "gpt", dict(dp=4), dict(zero_stage=3, n_microbatches=2, pins={"fusions": FUSIONS}), ["swiglu"]),
+    ("off x cp x Z3", "gpt", dict(dp=2, cp=2), dict(zero_stage=3, offload=True, context_method="ring"),
+     ["ring_attention"]),
+    ("off x ep", "moe", dict(dp=2, ep=2), dict(zero_stage=1, offload=True), ["dispatch"]),
+    ("ep x fus", "moe", dict(dp=2, ep=2), dict(pins={"fusions": FUSIONS}), ["dispatch", "rope"]),
+    ("off x tie x fus x mb", "gpt-tied", dict(dp=4), dict(zero_stage=1, offload=True, n_microbatches=2,
+                                                           pins={"fusions": FUSIONS}), ["swiglu"]),
+    ("cp x tie x mb", "gpt-tied", dict(dp=2, cp=2), dict(context_method="ulysses", n_microbatches=2),
+     ["ulysses_attention"]),
+    ("rc x tie", "gpt-tied", dict(dp=4), dict(memory_budget=0.0), ["region"]),
+    ("Z2 x pp", "gpt", dict(dp=2, pp=2), dict(zero_stage=2, n_microbatches=2), []),
+    ("pp x fus", "gpt", dict(dp=2, pp=2), dict(n_microbatches=2, pins={"fusions": FUSIONS}), ["swiglu"]),
 ]
 
 
