@@ -68,9 +68,10 @@ plan, which ran, does not fit; its time is then priced with no memory limit and 
 by how much), the unpinned planner's plan and prediction, seconds spent on the row. Then the
 number of rows within +-10 % and +-15 %, and notes.
 
-Run time: about 10 minutes wall on the shared 2-core machine (7 min CPU; megatron-1t 220 s and
-megatron-530b 135 s, mostly the unpinned planner over 512 / 280 ranks); `--no-planner` costs
-the published plans only.
+Run time on the shared 2-core machine (load average 4-6 from others' work): 10 min wall, 7 min
+CPU (megatron-1t 220 s and megatron-530b 135 s, mostly the unpinned planner over 512 / 280
+ranks); `--no-planner` (the published plans only) 6 min wall, 4.5 min CPU. Over the ~5 minute
+aim; an OVER row is costed twice (with the limit, then without).
 
 Profiles: A100 rows on `a100-80gb`, H100 rows on `h100-sxm`, widened to the row's node count
 with `Hardware.with_nodes` as bench_planner does for 405B. Memory limit: the planner's default
