@@ -21,7 +21,6 @@ Reads and writes no node.meta keys.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -89,8 +88,6 @@ def optimizer_kwargs(cls: type, kwargs: dict[str, Any], masters: list[torch.Tens
     set none of fused / foreach / differentiable, and every master is a floating tensor on
     the CPU or on CUDA."""
     if cls not in FUSED_OPTIMIZERS or any(k in kwargs for k in ("fused", "foreach", "differentiable")):
-        return kwargs
-    if "fused" not in inspect.signature(cls.__init__).parameters:
         return kwargs
     if not masters or any(not m.is_floating_point() or m.device.type not in ("cpu", "cuda") for m in masters):
         return kwargs

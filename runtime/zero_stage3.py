@@ -138,11 +138,12 @@ class ShardedEngine(EngineBase):
             rows = self._initial_rows(name, p, info, info.start, info.end)
             mdev = self.master_device or (self.device if p.is_meta else p.device)
             mdt = self._master_dtype(p)
-            data = (torch.empty(info.local_shape, dtype=mdt, device=mdev) if rows is None
-                    else host_copy(rows.reshape(info.local_shape), mdt, pin=self._pin) if self.offload
-                    else rows.reshape(info.local_shape).to(mdev, mdt, copy=True))
-            if self._pin and rows is None:
-                data = data.pin_memory()
+            if rows is None:  # pinned when offloaded next to a GPU (mdev is then the CPU)
+                data = torch.empty(info.local_shape, dtype=mdt, device=mdev, pin_memory=self._pin)
+            elif self.offload:
+                data = host_copy(rows.reshape(info.local_shape), mdt, pin=self._pin)
+            else:
+                data = rows.reshape(info.local_shape).to(mdev, mdt, copy=True)
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
             self.untrained[id(p)] = (weakref.ref(p), name, "under ZeRO-3 the program trains this rank's shards, "
                                      "which replaced them in the module: they get no gradient")

@@ -114,7 +114,7 @@ def check_mesh_fits(global_gm: fx.GraphModule, mesh: Any) -> None:
     other = [a for a, s in sizes.items() if a not in RUN_AXES and s > 1]
     if other:
         problems.append(f"axes {other} are not carried out by this version (it runs {', '.join(RUN_AXES)}); "
-                        "give their ranks to dp, tp, pp, ep or cp" + _SP_HINT * ("sp" in other))
+                        "give their ranks to dp, tp, pp, ep or cp" + (_SP_HINT if "sp" in other else ""))
     tp = sizes.get("tp", 1)
     if tp > 1:
         mats = {n: s for n, s in _tensors(global_gm, buffers=False).items() if len(s) >= 2}
@@ -190,7 +190,7 @@ def check_plan_against_graph(plan: Plan, global_gm: fx.GraphModule, mesh: Any) -
     other = [a for a, s in plan.mesh.items() if a not in RUN_AXES and s > 1]
     if other:
         problems.append(f"mesh axes {other} are not carried out by this version (it runs {', '.join(RUN_AXES)}): "
-                        "ranks on them would only repeat the work" + _SP_HINT * ("sp" in other))
+                        "ranks on them would only repeat the work" + (_SP_HINT if "sp" in other else ""))
     actual = graph_stamp(global_gm)
     why = explain_stamps(plan.graph, actual)
     if why and "tensors" in why:
