@@ -39,6 +39,7 @@ import torch.nn as nn
 from autopar.runtime._torch_compat import pytree
 from torch.export import Dim
 
+from autopar import capture_cache
 from autopar.passes import ir
 from autopar.runtime import leaf as leaf_rt
 
@@ -83,6 +84,14 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
             return gm
         args, kwargs = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
     leaf_modules = list(leaf_modules)
+    memo_key = None
+    if capture_cache.enabled() and not leaf_modules:  # a leaf op names its module instance: never shared
+        memo_key, keep = capture_cache.key_of(model, args, kwargs, {
+            "leaf_modules": tuple(leaf_modules), "dynamic_batch": dynamic_batch, "dynamic_seq": dynamic_seq,
+            "dynamic_shapes": dynamic_shapes, "paths": tuple(paths)})
+        hit = capture_cache.lookup(memo_key, model)
+        if hit is not None:
+            return hit
     names = dict(model.named_modules())
     missing = [p for p in leaf_modules if p not in names]
     if missing:
@@ -116,6 +125,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any] | Any, *, example_kw
             gm.meta["autopar_capture"] = {"path": path, "seconds": round(time.perf_counter() - t0, 3),
                                          "failed": errors, "adjusted": adjusted}
             ir.annotate_graph(gm, model)
+            if memo_key is not None:
+                capture_cache.store(memo_key, keep, gm)
             return gm
     raise CaptureError(_explain(model, errors))
 

@@ -7,7 +7,10 @@ dict after the steps (`autopar.export_state_dict`, parameters and buffers such a
 statistics); then the same steps on one process with the same seed and batches. Each mesh
 gets its own world, so a failure is that mesh's alone. In the same world every mesh also
 runs from a meta build (each rank materializing only its part, from the modules' own init or
-the seed's state dict) and must match the same reference. Rank 0 writes `model.dump()` and the
+the seed's state dict) and must match the same reference. The tiny model is captured once in
+this process before the worlds fork (`autopar.capture_cache`: the meta and the real build, in
+every rank, reuse that graph; each rank still materializes, plans, rewrites and trains on its
+own). Rank 0 writes `model.dump()` and the
 plan text; every rank its program.
 
 `plan_real(row)` builds the row at its published size on the meta device, captures it and
@@ -146,6 +149,22 @@ def _reference(name: str, style: str):
     return losses, norm, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _capture_before_fork(name: str, style: str) -> None:
+    """Capture the row's tiny model here, as every rank's `parallelize` captures it: ranks
+    forked from this process then find the graph in `autopar.capture_cache` instead of each
+    tracing it again (2 captures a rank, 4 ranks a world, one world a mesh). Ranks started by
+    a fork server (a GPU build of torch) capture it themselves."""
+    from autopar import capture  # noqa: PLC0415
+    sp = zoo.spec(name, "tiny", style)
+    x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = sp.build()
+    if isinstance(x0, dict):
+        capture(model, (), example_kwargs=dict(x0))
+    else:
+        capture(model, tuple(x0) if isinstance(x0, (tuple, list)) else (x0,))
+
+
 def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: float = 300.0,
            style: str = "positional") -> list[MeshResult]:
     """Every mesh of the row (or `meshes`: [(mesh kwargs, parallelize options)]) against one process;
@@ -158,6 +177,7 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
         raise zoo.RowUnavailable(f"{name}: {why}")
     tol = TOLERANCES[row.dtype]
     ref_losses, ref_norm, ref_sd = _reference(name, style)
+    _capture_before_fork(name, style)
     out = []
     todo = list(meshes if meshes is not None else row.meshes)
     also_meta = meshes is None  # every mesh of the row also runs from a meta build, in the same world

@@ -253,15 +253,23 @@ def _signature(a: Any) -> Any:
     return ("const", repr(a))
 
 
+# kernel call signature -> output types, for the whole process: a kernel's output types are a
+# function of its argument types and constants alone (symbolic sizes by name), so the same call
+# in another graph (the meta twin of a model, another mesh) needs no second reference run
+_TYPES: dict[Any, Any] = {}
+
+
 def _output_types(m: Match, g: GraphView) -> tuple | None:
     key = (m.kernel, _signature(m.args), _signature(m.kwargs))
     if key not in g.types:
-        try:
-            got = kernel_value(m)
-        except Exception:  # noqa: BLE001 - a reference that cannot take these values: no match
-            got = None
-        got = got if isinstance(got, tuple) or got is None else (got,)
-        g.types[key] = None if got is None else tuple(_type(v) for v in got)
+        if key not in _TYPES:
+            try:
+                got = kernel_value(m)
+            except Exception:  # noqa: BLE001 - a reference that cannot take these values: no match
+                got = None
+            got = got if isinstance(got, tuple) or got is None else (got,)
+            _TYPES[key] = None if got is None else tuple(_type(v) for v in got)
+        g.types[key] = _TYPES[key]
     return g.types[key]
 
 
