@@ -400,7 +400,7 @@ def _grouped_expert_layouts(plan: Plan, mesh: Mesh) -> None:
     """Grouped expert parameters (transformers' fused (E, ...) experts) keep this rank's experts'
     rows: record the ep cut of dim 0 so checkpoints and exports describe the program."""
     for b in plan.extra["expert"]["blocks"].values():
-        if b["idiom"] != "sorted":
+        if b["idiom"] not in ("sorted", "dense"):
             continue
         for name in b["expert_params"]:
             base = plan.param_layouts.get(name) or Layout.replicated(tuple(mesh.sizes))

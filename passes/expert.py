@@ -23,7 +23,14 @@ For each block, with P ranks on the ep axis, this rank (index r) owning experts
   group offsets become `moe.local_offsets`, the combine becomes `moe.combine`, and every
   grouped expert parameter keeps this rank's rows of its expert dim; a masked_fill by a
   sentinel mask no router index sets (`identity_fills`) is dropped (its mask has the global
-  row count);
+  row count); a per-expert parameter gathered by the sorted expert ids (`expert_gathers`,
+  gpt-oss's biases) gathers this rank's slice by `moe.local_expert_ids`;
+* "dense" blocks (every expert on every token, transformers' Llama 4: search/expert_dense.py):
+  no route; the tokens and the dense (N, E) scores are all-gathered over the ep group
+  (`moe.dense_dispatch`, backward reduce-scatter), this rank keeps its experts' score columns,
+  the repeat over E and the (E, -1, D) views say E/P, every expert parameter keeps this rank's
+  rows, and the sum over experts (a partial sum of the group's tokens) is reduce-scattered
+  back to this rank's tokens (`moe.dense_combine`, backward all-gather);
 * router statistics (reductions over tokens of router outputs) are averaged over the batch
   axes (dp and ep) with `autopar::all_reduce(avg)`, so the load-balancing loss is the one
   of the whole batch;
@@ -117,7 +124,8 @@ def _block_keys(b: dict) -> list[str]:
     ks = [b["tokens"], b["expert_index"], b["combine"]] + list(b.get("entries", [])) + list(b.get("exits", []))
     ks += [d["node"] for d in b.get("gathers", [])] + [d["source"] for d in b.get("gathers", [])]
     ks += [k for k in (b.get("capacity"), b.get("keep"), b.get("offsets"), b.get("combine_input")) if k]
-    return ks + list(b.get("identity_fills", []))
+    ks += [d[f] for d in b.get("dense_entries", []) for f in ("node", "source")] + list(b.get("dense_sizes", []))
+    return ks + list(b.get("identity_fills", [])) + [d["node"] for d in b.get("expert_gathers", [])]
 
 
 def _new(g: fx.Graph, target, args, like: fx.Node, kwargs=None, shape=None, dtype=None) -> fx.Node:
@@ -202,6 +210,9 @@ def _rewrite_block(gm, b, node, axis, P, me, cf, others) -> tuple[set, set]:
         h.args = (idx, E, axis, _capacity(g, b, node, P, h))
     D = b["hidden"]
     keep_names, drop_names = set(), set()
+    if b["idiom"] == "dense":
+        g.erase_node(h)  # dense experts route nothing: every expert reads every token
+        return _rewrite_dense(gm, b, node, axis, P, me), drop_names
     if b["idiom"] == "slots":
         with g.inserting_after(h):
             rows = _new(g, moe.dispatch, (x, h, "token"), x, shape=("routed_rows", D), dtype=mod_dtype)
@@ -234,6 +245,12 @@ def _rewrite_block(gm, b, node, axis, P, me, cf, others) -> tuple[set, set]:
                 d = _new(g, moe.dispatch, (src, h, gth["per"]), gn, shape=("routed_rows", *ir.info(gn).shape[1:]),
                          dtype=ir.info(gn).dtype)
             gn.replace_all_uses_with(d)
+        for eg in b.get("expert_gathers", []):  # param[sorted expert ids] -> local param[local expert ids]
+            gn = node[eg["node"]]
+            with g.inserting_before(gn):
+                ids = _new(g, moe.local_expert_ids, (h,), gn, shape=("routed_rows",), dtype="int64")
+            gn.args = (gn.args[0], [ids], *gn.args[2:]) if op_name(gn.target).startswith("aten.index.") else \
+                (gn.args[0], gn.args[1], ids, *gn.args[3:])
         if b.get("offsets"):
             off = node[b["offsets"]]
             dt = getattr(torch, ir.info(off).dtype or "int32")
@@ -250,6 +267,42 @@ def _rewrite_block(gm, b, node, axis, P, me, cf, others) -> tuple[set, set]:
             if P > 1:
                 _slice_param(gm, name, first, El, E)
     return keep_names, drop_names
+
+
+def _rewrite_dense(gm: fx.GraphModule, b: dict, node: dict, axis: str | None, P: int, me: int) -> set[str]:
+    """Dense experts (search/expert_dense.py): this rank runs its E/P experts on every token of
+    its ep group. The tokens and the dense scores are all-gathered over the group
+    (`moe.dense_dispatch`; of the scores this rank keeps its experts' columns), the repeats and
+    views over E say E/P, the expert parameters keep this rank's rows, and the sum over the
+    local experts, a partial sum for the group's tokens, is reduce-scattered back to this
+    rank's tokens (`moe.dense_combine`)."""
+    g = gm.graph
+    E = b["n_experts"]
+    El, first = E // P, me * (E // P)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    done: dict[tuple, fx.Node] = {}
+    for e in sorted(b["dense_entries"], key=lambda e: order[node[e["node"]]]):
+        m, src = node[e["node"]], node[e["source"]]
+        if (src, e["per"]) not in done:
+            shape, dt = ir.info(src).shape, ir.info(src).dtype
+            with g.inserting_before(m):
+                cur = _new(g, moe.dense_dispatch, (src, axis), src, shape=("group_tokens", *shape[1:]), dtype=dt)
+                if e["per"] == "score":  # this rank's experts' columns of the group's (N, E) scores
+                    cur = _new(g, torch.ops.aten.slice.Tensor, (cur, 1, first, first + El), src,
+                               shape=("group_tokens", El), dtype=dt)
+                done[(src, e["per"])] = cur
+        m.replace_input_with(src, done[(src, e["per"])])
+    for k in b["dense_sizes"]:  # repeat(x, [E, 1]), view(y, [E, -1, D]): E/P experts here
+        n = node[k]
+        n.args = (n.args[0], [El, *n.args[1][1:]], *n.args[2:])
+    comb = node[b["combine"]]
+    with g.inserting_after(comb):
+        out = _new(g, moe.dense_combine, (comb, axis), comb, shape=ir.info(comb).shape, dtype=ir.info(comb).dtype)
+    comb.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
+    for name in b["expert_params"]:
+        if P > 1:
+            _slice_param(gm, name, first, El, E)
+    return set(b["expert_params"])
 
 
 def _to_combine_placement(g, y, exit_node, comb, others):

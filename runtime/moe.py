@@ -11,9 +11,14 @@ of P ranks, rank r holds experts [r * E/P, (r + 1) * E/P) (contiguous blocks).
     w    = dispatch(t, r, per="assignment")           # the same for per-assignment data (N*K, ...)
     ri   = expert_rows(rows, r, i)                    # local expert i's rows
     offs = local_offsets(r, torch.int32)              # cumulative rows per local expert
+    ids  = local_expert_ids(r)                        # (M,) local expert of each row
     y    = combine(out_rows, r)                       # (N*K, D) back in assignment order;
                                                       # zeros for dropped assignments
     keep = keep_mask(r)                               # (N, K) bool: assignment kept
+
+Dense experts (every expert on every token, Llama 4): `dense_dispatch(x, axis)` all-gathers
+the ep group's token rows (and dense scores), `dense_combine(y, axis)`
+reduce-scatters the partial sum over this rank's experts back to its tokens.
 
 Order. Rows of one expert are in *global token-major order*: ep rank j's tokens come after
 rank j-1's (the batch is split contiguously over the ep axis, `ExpertProgram`), and within a
@@ -227,6 +232,13 @@ def local_offsets(r: Route, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return torch.tensor(list(_cumsum(r.local_counts)), dtype=dtype, device=r.order.device)
 
 
+def local_expert_ids(r: Route) -> torch.Tensor:
+    """(M,) int64: the local expert (0 .. E/P - 1) of each dispatched row, expert-major as
+    `dispatch` orders them (to gather per-expert rows of this rank's slice of a parameter)."""
+    counts = torch.tensor(list(r.local_counts), dtype=torch.int64, device=r.order.device)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=r.order.device), counts)
+
+
 def keep_mask(r: Route) -> torch.Tensor:
     """(N, K) bool: which of this rank's assignments an expert accepted."""
     return r.keep
@@ -237,6 +249,26 @@ def _cumsum(xs):
     for x in xs:
         t += x
         yield t
+
+
+# --- dense experts: every expert on every token ---------------------------------------------
+def dense_dispatch(x: torch.Tensor, axis: str | None) -> torch.Tensor:
+    """Every token row of the ep group on every rank, for experts that run on every token: an
+    all-gather of dim 0 over `axis` (rank j's rows after rank j-1's, the group's batch order).
+    Backward: reduce-scatter (sum), since each rank's experts contribute to every row's gradient.
+    Identity with `axis` None or of size 1."""
+    if axis is None or C.axis_size(axis) == 1:
+        return x
+    return torch.ops.autopar.all_gather(x.contiguous(), axis, 0)
+
+
+def dense_combine(y: torch.Tensor, axis: str | None) -> torch.Tensor:
+    """This rank's tokens summed over every rank's experts, from `y`: the group's token rows
+    summed over this rank's experts (a partial sum over `axis`): a reduce-scatter (sum) of
+    dim 0. Backward: all-gather. Identity with `axis` None or of size 1."""
+    if axis is None or C.axis_size(axis) == 1:
+        return y
+    return torch.ops.autopar.reduce_scatter(y.contiguous(), axis, 0, "sum")
 
 
 # --- gradient helpers for parameter reads ---------------------------------------------------
@@ -343,5 +375,5 @@ class ExpertProgram(Program):
         return loss
 
 
-__all__ = ["Route", "route", "dispatch", "combine", "expert_rows", "local_offsets", "keep_mask", "recording",
-           "group_capacity", "grad_avg", "grad_scale", "ExpertProgram"]
+__all__ = ["Route", "route", "dispatch", "combine", "dense_dispatch", "dense_combine", "expert_rows", "local_offsets",
+           "keep_mask", "recording", "group_capacity", "grad_avg", "grad_scale", "ExpertProgram"]

@@ -19,12 +19,19 @@ Detection works on the graph's structure (ATen ops and data flow), never on clas
 * the *experts* are the nodes between dispatch and combine: per expert (slots: from
   `select(buffer, 0, e)` to the e-th input of a `stack`) or grouped (sorted: row-wise ops and
   grouped matmuls over parameters with a leading expert dim, with group offsets computed in I).
+  A per-expert parameter gathered by the sorted expert ids (gpt-oss's biases,
+  `out += bias[expert_ids]`) is a row operand too (`expert_gathers`): row r reads its expert's row.
   Every expert op must be row-wise by its sharding rule (`expert_props.row_wise_failure`:
   the rule table has S(0) on the rows -> S(0)), which is what lets the experts run on any
   number of rows. One exception, recorded as `identity_fills`: a `masked_fill` whose mask
   is `expert id >= n_experts` (transformers 5.17's sentinel rows for expert-parallel padding,
   Mixtral / Qwen2-MoE grouped experts). No top-k index over n_experts sets it, so the fill is
   the identity, and the pass drops it (its mask has the global row count, not a rank's);
+* *dense* experts (transformers' Llama 4 text MoE): a router whose indices scatter its scores
+  into a dense (N, E) matrix and every expert runs on every token (the tokens repeated over E,
+  batched matmuls by (E, d, d') parameters, a sum over experts), found by
+  `search/expert_dense.py`; idiom "dense", with `dense_entries` (where tokens and scores enter)
+  and `dense_sizes` (the repeats / views whose leading size is E);
 * capacity: the bool (N, K) mask in I that selects the slot (`where(keep, slot, dummy)`), and
   the SymInt it compares queue positions against; dropless when that capacity equals N;
 * router statistics: reductions over the token dim of values computed from router outputs
@@ -35,9 +42,10 @@ Detection works on the graph's structure (ATen ops and data flow), never on clas
 The result for a block is plain JSON keyed by stable node keys (`passes.ir.node_keys`).
 
 API: `detect_moe(gm) -> [MoEBlock]`, `router_stats(gm, blocks) -> [node key]`,
-`no_moe_reasons(gm) -> [str]` (why each top-k is not a block); all are re-exported by
-`autopar.search.expert`. `MoEGraph` (the indexed graph the detector walks) and
-`dtype_itemsize` serve `search/expert.py` too.
+`no_moe_reasons(gm) -> [str]` (why each expert selection is not a block; it lives in
+`search/expert_reasons.py`); all are re-exported by `autopar.search.expert`. `MoEGraph` (the
+indexed graph the detector walks, `search/expert_graph.py`) and `dtype_itemsize` serve
+`search/expert.py` too.
 
 Guarantees: a dense model gives no blocks; a router that leads to a dispatch this module
 cannot take apart (an expert op that mixes rows, an unknown index pattern) raises
@@ -52,14 +60,17 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import sympy
 import torch
 import torch.fx as fx
 
 from autopar.passes import ir
 from autopar.passes.rules.sharding import op_name
+from autopar.search.expert_dense import dense_experts, dense_scatter
+from autopar.search.expert_graph import MoEGraph, same_size as _same, shape_of as _shape, sym as _sym
+from autopar.search.expert_graph import tensorish as _tensorish, val_expr as _val_expr
 from autopar.search.expert_props import base_name as _base
-from autopar.search.expert_props import find_router, param_of, router_failure, row_wise_failure
+from autopar.search.expert_props import find_router, param_of, row_wise_failure
+from autopar.search.expert_reasons import no_moe_reasons  # noqa: F401  (re-exported)
 
 VIEWLIKE = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.expand", "aten.slice",
             "aten.clone", "aten.contiguous", "aten.alias", "aten.to", "aten._to_copy", "aten.flatten"}
@@ -71,59 +82,12 @@ class MoEDetectError(ValueError):
     pass
 
 
-def _shape(n) -> tuple | None:
-    if not isinstance(n, fx.Node):
-        return None
-    i = ir.get_info(n)
-    if i is not None and i.shape is not None:
-        return i.shape
-    val = n.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return tuple(s if isinstance(s, int) else str(s) for s in val.shape)
-    return None
-
-
-def _tensorish(n) -> bool:
-    if not isinstance(n, fx.Node) or n.op == "output":
-        return False
-    val = n.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return True
-    if isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
-        return True
-    return n.op == "get_attr" or _shape(n) is not None
-
-
-def _sym(x) -> sympy.Expr:
-    return sympy.sympify(x) if isinstance(x, str) else sympy.Integer(int(x))
-
-
-def _same(a, b) -> bool:
-    try:
-        return sympy.simplify(_sym(a) - _sym(b)) == 0
-    except (sympy.SympifyError, TypeError):
-        return str(a) == str(b)
-
-
-def _val_expr(x):
-    """A capacity operand as a sympy expression (SymInt node or int)."""
-    if isinstance(x, int):
-        return sympy.Integer(x)
-    if isinstance(x, fx.Node):
-        v = x.meta.get("val")
-        if isinstance(v, int):
-            return sympy.Integer(v)
-        if isinstance(v, torch.SymInt):
-            return sympy.sympify(str(v.node.expr))
-    return None
-
-
 @dataclass
 class MoEBlock:
     """One detected MoE block (plain data; `to_json()` goes into plan.extra["expert"])."""
 
     module: str  # common module path of router and combine
-    idiom: str  # "slots" | "sorted"
+    idiom: str  # "slots" | "sorted" | "dense"
     n_experts: int
     top_k: int
     hidden: int  # D
@@ -132,7 +96,7 @@ class MoEBlock:
     expert_index: str  # key of the router's indices (N, K)
     router: str  # key of the topk node
     gate: str | None  # router weight parameter
-    combine: str  # key of the node with expert outputs in assignment order (N*K, D), replaced
+    combine: str  # key of the node with expert outputs in assignment order (N*K, D) (dense: the sum over experts)
     capacity: str | None = None  # key of the capacity SymInt node (slots)
     capacity_value: int | None = None  # the capacity when it is a constant
     keep: str | None = None  # key of the keep mask (N, K)
@@ -146,6 +110,9 @@ class MoEBlock:
     flops_per_row: float = 0.0  # forward FLOPs of one expert on one row
     side_row_bytes: int = 0  # per-assignment data dispatched besides x (sorted idiom: weights)
     identity_fills: list[str] = field(default_factory=list)  # sorted: masked_fills by a never-set sentinel mask
+    expert_gathers: list[dict] = field(default_factory=list)  # sorted: {"node", "param"}: param[sorted expert ids]
+    dense_entries: list[dict] = field(default_factory=list)  # dense: {"node", "source", "per": "token" | "score"}
+    dense_sizes: list[str] = field(default_factory=list)  # dense: repeats / views whose leading size is E
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -157,69 +124,6 @@ def dtype_itemsize(dtype: str) -> int:
 
 
 # --- detection -----------------------------------------------------------------------------
-class MoEGraph:
-    """A graph as the detector walks it: node order, stable node keys, which nodes depend on
-    the inputs through tensors, the batch size of the first input."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
-        self.nodes = list(gm.graph.nodes)
-        self.order = {n: i for i, n in enumerate(self.nodes)}
-        self.keys = ir.node_keys(gm)
-        self.dep: dict[fx.Node, bool] = {}
-        for n in self.nodes:
-            # data dependence on an input through tensors (sizes do not count: arange(N) is token-free)
-            self.dep[n] = n.op == "placeholder" or any(self.dep.get(a, False) for a in n.all_input_nodes
-                                                       if _tensorish(a))
-        self.batch = None
-        for n in self.nodes:
-            if n.op == "placeholder" and _shape(n):
-                self.batch = _shape(n)[0]
-                break
-
-    def tin(self, n: fx.Node) -> list[fx.Node]:
-        return [a for a in n.all_input_nodes if _tensorish(a)]
-
-    def closure(self, seeds) -> set:
-        """Nodes computed from `seeds` whose other tensor inputs are all token-free or in the set."""
-        out = set(seeds)
-        start = min(self.order[s] for s in seeds)
-        for n in self.nodes[start:]:
-            if n in out or n.op != "call_function":
-                continue
-            ins = self.tin(n)
-            if ins and any(a in out for a in ins) and all(a in out or not self.dep[a] for a in ins):
-                out.add(n)
-        return out
-
-    def descendants(self, seeds) -> set:
-        out = set(seeds)
-        start = min(self.order[s] for s in seeds)
-        for n in self.nodes[start:]:
-            if any(a in out for a in n.all_input_nodes):
-                out.add(n)
-        return out
-
-    def ancestors(self, n: fx.Node) -> set:
-        out, stack = set(), [n]
-        while stack:
-            m = stack.pop()
-            for a in m.all_input_nodes:
-                if a not in out:
-                    out.add(a)
-                    stack.append(a)
-        return out
-
-    def token_major(self, n: fx.Node, n_tokens) -> bool:
-        s = _shape(n)
-        if not s:
-            return False
-        d0 = s[0]
-        if isinstance(d0, str) and isinstance(self.batch, str):
-            return any(str(f) == self.batch for f in _sym(d0).free_symbols)
-        return any(isinstance(d0, int) and isinstance(t, int) and t and d0 % t == 0 for t in n_tokens)
-
-
 def _router(g: MoEGraph, t: fx.Node):
     """(gate linear node, token rows node, E) if topk node `t` selects experts (expert_props)."""
     return find_router(t)
@@ -351,13 +255,34 @@ def _detect_one(g: MoEGraph, t: fx.Node) -> MoEBlock | None:
             break
         disp.append(n)
     if not disp or comb is None:
-        return None
+        return _dense(g, t, lin, idx, E, K)
     scatter = [d for d in disp if _base(d) == "aten.index_add"]
     common = dict(n_experts=E, top_k=K, router=g.keys[t], expert_index=g.keys[idx], combine=g.keys[comb],
                   gate=str(param_of(lin.args[1]).target), dtype=ir.info(comb).dtype or "float32")
     if scatter:
         return _slots(g, t, idx, I, scatter[0], comb, N, common)
     return _sorted(g, t, idx, I, disp, comb, N, common)
+
+
+def _dense(g: MoEGraph, t: fx.Node, lin: fx.Node, idx: fx.Node, E: int, K: int) -> MoEBlock | None:
+    """The block of a router whose scores are scattered into a dense (N, E) matrix with every
+    expert on every token (`search/expert_dense.py`); None when `t` does not route densely."""
+    d = dense_experts(g, t, idx, E)
+    if d is None:
+        return None
+    if isinstance(d, str):
+        scat = dense_scatter(idx, _shape(t.args[0])[0], E)
+        raise MoEDetectError(f"MoE block at {g.keys[t]}: its router (weight {param_of(lin.args[1]).target}) scatters "
+                             f"the top-k scores into a dense (N, {E}) matrix ({g.keys[scat]}) and every expert runs "
+                             f"on every token, but the experts cannot be split over ep: {d}. Keep the "
+                             "expert module opaque with autopar.capture(..., leaf_modules=[...]) and use a mesh "
+                             "without the ep axis")
+    comb = next(n for n, key in g.keys.items() if key == d["combine"])
+    params = d.pop("expert_params")
+    return MoEBlock(module=_block_module(g, t, comb), idiom="dense", n_experts=E, top_k=K, router=g.keys[t],
+                    expert_index=g.keys[idx], gate=str(param_of(lin.args[1]).target),
+                    dtype=ir.info(comb).dtype or "float32", expert_params={n: "dim0" for n in sorted(params)},
+                    flops_per_row=_flops_per_row(params, E), **d)
 
 
 def _slots(g, t, idx, I, scat, comb, N, common) -> MoEBlock:
@@ -463,8 +388,9 @@ def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
     if x is None:
         raise MoEDetectError(f"{where}: no gather of token rows")
     cdata, cindex = _index_of(comb)
-    starts = set(gathers)
-    region = (g.descendants(list(starts)) & (g.ancestors(cdata) | {cdata})) - starts
+    region = (g.descendants(list(gathers)) & (g.ancestors(cdata) | {cdata})) - set(gathers)
+    per_expert = _expert_gathers(g, region, idx, I, E)
+    starts = set(gathers) | set(per_expert)
     fills = _identity_fills(region, idx, E)
     _check_row_wise(g, region, starts, where, set(fills))
     offsets = None
@@ -486,11 +412,34 @@ def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
         if _shape(p)[0] != E:
             raise MoEDetectError(f"{where}: expert parameter {name} has shape {_shape(p)}; grouped experts need a "
                                  f"leading dim of {E}")
+    by_node = {g.keys[gn]: str(p.target) for gn, p in per_expert.values()}
     return MoEBlock(module=_block_module(g, t, comb), idiom="sorted", hidden=int(_shape(x)[1]), tokens=g.keys[x],
                     gathers=out, offsets=g.keys[offsets] if offsets is not None else None,
-                    combine_input=g.keys[cdata], expert_params={n: "dim0" for n in sorted(pe)},
+                    combine_input=g.keys[cdata], expert_params={n: "dim0" for n in sorted(set(pe) | set(by_node.values()))},
                     flops_per_row=_flops_per_row(pe, E), side_row_bytes=side,
-                    identity_fills=sorted(g.keys[n] for n in fills), **common)
+                    identity_fills=sorted(g.keys[n] for n in fills),
+                    expert_gathers=[{"node": k, "param": by_node[k]} for k in sorted(by_node)], **common)
+
+
+def _expert_gathers(g: MoEGraph, region: set, idx: fx.Node, I: set, E: int) -> dict[fx.Node, tuple]:
+    """Per-expert parameter rows gathered by the sorted expert ids that the experts read
+    (gpt-oss's biases, `out += bias[expert_ids]`): row r holds the row of row r's expert, so it
+    is a row operand like the dispatched rows. -> {node read: (gather node, parameter)}."""
+    out = {}
+    for n in region:
+        for a in g.tin(n):
+            if a in region or a not in I or a in out:
+                continue
+            m = a
+            while _base(m) in VIEWLIKE and _index_of(m) is None and isinstance(m.args[0], fx.Node):
+                m = m.args[0]
+            io = _index_of(m)
+            if io is None or _base(m) == "aten.index_add":
+                continue
+            p = param_of(io[0])
+            if p is not None and _shape(p) and _shape(p)[0] == E and _carries_expert_ids(io[1], idx):
+                out[a] = (m, p)
+    return out
 
 
 def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
@@ -504,27 +453,6 @@ def detect_moe(gm: fx.GraphModule) -> list[MoEBlock]:
             b = _detect_one(g, n)
             if b is not None:
                 out.append(b)
-    return out
-
-
-def no_moe_reasons(gm: fx.GraphModule) -> list[str]:
-    """Why each top-k of a graph without MoE blocks is not one (for the error an ep mesh gets):
-    "<node key> (<node>): <reason>"; empty when the graph has no top-k at all."""
-    g = MoEGraph(gm)
-    out = []
-    for n in g.nodes:
-        if n.op != "call_function" or _base(n) != "aten.topk":
-            continue
-        r = _router(g, n)
-        if r is None:
-            why = f"not an expert router: {router_failure(n)}"
-        elif _getitem(n, 1) is None:
-            why = "its indices are unused"
-        else:
-            why = (f"scores {r[2]} candidates per token like a router (weight "
-                   f"{param_of(r[0].args[1]).target}), but its indices reach no dispatch (an index / "
-                   "index_select / index_add of token rows by them) followed by a combine of the expert outputs")
-        out.append(f"{g.keys[n]} ({n.format_node()}): {why}")
     return out
 
 

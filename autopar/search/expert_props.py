@@ -14,8 +14,9 @@ blocks): what a router is, and whether an op between dispatch and combine is row
   must also keep the row count free (`-1` leading), since the experts run on a rank's rows.
 
 API: `find_router(t) -> (linear, tokens, E) | None`, `router_failure(t) -> str` (why a top-k
-is not a router), `row_wise_failure(n, rows) -> str | None` (why an op is not row-wise, naming
-its rule). Reads node.meta["autopar"] and node.meta["val"]; writes nothing.
+is not a router), `row_wise_failure(n, rows, dim=0) -> str | None` (why an op is not row-wise,
+naming its rule; `dim` holds the rows). Reads node.meta["autopar"] and node.meta["val"];
+writes nothing.
 """
 from __future__ import annotations
 
@@ -57,14 +58,16 @@ def _scores(t: fx.Node) -> tuple[fx.Node, tuple] | str:
     shape = value_shape(inp) if isinstance(inp, fx.Node) else None
     if not shape or len(shape) != 2:
         return f"it selects over a {len(shape or ())}-d tensor, not token scores (N, E)"
-    dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim", -1)
+    at = 2 if base_name(t) == "aten.topk" else 1  # topk(x, k, dim); max(x, dim) / argmax(x, dim)
+    dim = t.args[at] if len(t.args) > at else t.kwargs.get("dim", -1)
     if dim not in (-1, 1):
         return f"it selects along dim {dim}, not over experts (the last dim)"
     return inp, shape
 
 
 def find_router(t: fx.Node):
-    """(router linear node, token rows node, E) when top-k node `t` selects experts per token:
+    """(router linear node, token rows node, E) when top-k node `t` (or a max / argmax over the
+    last dim, for `expert_reasons`) selects experts per token:
     the nearest linear map among its input's ancestors whose weight is a parameter (E, D) and
     whose output has the top-k input's shape. None otherwise."""
     s = _scores(t)
@@ -97,8 +100,9 @@ def router_failure(t: fx.Node) -> str:
             f"{s[0].name} {tuple(s[1])}")
 
 
-def row_wise_failure(n: fx.Node, rows: set) -> str | None:
-    """None when `n` is row-wise in its row inputs `rows` by its sharding rule; else why not."""
+def row_wise_failure(n: fx.Node, rows: set, dim: int = 0) -> str | None:
+    """None when `n` is row-wise in its row inputs `rows` by its sharding rule; else why not.
+    `dim`: the dim that holds the rows (dense experts' (E, N, ...) tensors keep tokens in dim 1)."""
     op = op_name(n.target)
     if op == "operator.getitem":
         return None  # an element of a row-wise tuple op (chunk, split): rows stay rows
@@ -114,17 +118,18 @@ def row_wise_failure(n: fx.Node, rows: set) -> str | None:
         strategies = fn(v)
     except (IndexError, TypeError, KeyError) as e:
         return f"its rule for {op} cannot read this call ({type(e).__name__}: {e})"
-    want = [Shard(0) if a in rows else None for a in args_t]
-    out_ok = (Shard(0),) if value_shape(n) is not None else (None, Shard(0))
+    want = [Shard(dim) if a in rows else None for a in args_t]
+    out_ok = (Shard(dim),) if value_shape(n) is not None else (None, Shard(dim))
     for s in strategies:
         # None: the op reads only that input's dtype / device
         if s.out in out_ok and len(s.ins) == len(want) and all(
                 p is None or (p == w if w is not None else isinstance(p, Replicate)) for p, w in zip(s.ins, want)):
             break
     else:
-        return f"its rule for {op} has no strategy S(0) on the rows -> S(0) (the op mixes rows)"
+        return f"its rule for {op} has no strategy S({dim}) on the rows -> S({dim}) (the op mixes rows)"
     b = base_name(n)
-    if b in ("aten.view", "aten.reshape", "aten._unsafe_view"):  # (-1, trailing...) keeping the trailing size
+    # (-1, trailing...) keeping the trailing size
+    if dim == 0 and b in ("aten.view", "aten.reshape", "aten._unsafe_view"):
         sizes, ins = list(n.args[1]), value_shape(n.args[0]) or ()
         if not (sizes and sizes[0] == -1 and all(isinstance(d, int) for d in sizes[1:]) and
                 all(isinstance(d, int) for d in ins[1:]) and math.prod(sizes[1:]) == math.prod(ins[1:])):

@@ -52,6 +52,12 @@ def _hf(kind: str, aux: bool = False):
     if kind == "qwen2-moe":
         return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, **kw))
+    if kind == "llama4":  # dense experts: every expert on every token, scaled by scattered top-k scores
+        return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+            intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, head_dim=16, **kw))
+    if kind == "gpt-oss":
+        return transformers.GptOssForCausalLM(transformers.GptOssConfig(intermediate_size=32, num_local_experts=4,
+                                                                        head_dim=16, sliding_window=8, **kw))
     return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(intermediate_size=32, num_experts=4,
                                                                   pad_token_id=0, eos_token_id=1, **kw))
 
@@ -124,6 +130,22 @@ def test_transformers_moe_blocks_are_found_with_grouped_mm_experts(kind):
     assert b.offsets.endswith("cumsum#0") and b.side_row_bytes == 4
 
 
+def test_gpt_oss_expert_biases_gathered_by_sorted_expert_ids_are_expert_rows():
+    """gpt-oss adds per-expert biases after each grouped matmul, gathered by the sorted expert
+    ids (`out += bias[expert_ids]`): each gather is a row operand of the experts (row r reads its
+    expert's bias) and the biases are expert parameters, sliced over ep like the weights."""
+    gm = autopar.capture(_hf("gpt-oss"), (torch.randint(0, 128, (2, 8)),))
+    blocks = detect_moe(gm)
+    assert [b.module for b in blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    b = blocks[0]
+    assert (b.idiom, b.n_experts, b.top_k) == ("sorted", 4, 2)
+    assert b.expert_params == {f"model.layers.0.mlp.experts.{w}": "dim0"
+                               for w in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    assert sorted(d["param"] for d in b.expert_gathers) == ["model.layers.0.mlp.experts.down_proj_bias",
+                                                            "model.layers.0.mlp.experts.gate_up_proj_bias"]
+    assert all(":index#" in d["node"] for d in b.expert_gathers)
+
+
 def test_transformers_aux_loss_statistics_are_router_stats():
     gm = autopar.capture(_hf("mixtral", aux=True), (torch.randint(0, 128, (2, 8)),))
     # per layer: the expert counts (histc; transformers 5.17 counts by bincount, then casts to
@@ -175,13 +197,17 @@ def _grads(model):
     return out
 
 
-@pytest.mark.parametrize("name", ["moe-tiny", "moe-tiny-capacity", "hf-mixtral", "blob"])
+@pytest.mark.parametrize("name", ["moe-tiny", "moe-tiny-capacity", "hf-mixtral", "hf-gpt-oss", "blob"])
 def test_rewritten_graph_at_ep1_matches_eager_output_and_gradients(name):
     torch.manual_seed(0)
     if name == "hf-mixtral":
         model = _hf("mixtral", aux=True)
         x, y = torch.randint(0, 128, (4, 8)), torch.randint(0, 128, (4, 8))
         loss_fn = lambda o, y: F.cross_entropy(o["logits"].flatten(0, 1), y.flatten()) + o["aux_loss"]  # noqa: E731
+    elif name == "hf-gpt-oss":  # expert biases gathered by the local expert ids of the dispatched rows
+        model = _hf("gpt-oss")
+        x, y = torch.randint(0, 128, (4, 8)), torch.randint(0, 128, (4, 8))
+        loss_fn = lambda o, y: F.cross_entropy(o["logits"].flatten(0, 1), y.flatten())  # noqa: E731
     elif name == "blob":
         model, x, y = Blob(), torch.randn(6, 16), torch.randn(6, 16)
         loss_fn = lambda o, y: (o - y).pow(2).mean()  # noqa: E731
@@ -193,6 +219,8 @@ def test_rewritten_graph_at_ep1_matches_eager_output_and_gradients(name):
     local, gm = _rewrite_ep1(model, x)
     code = local.code
     assert "moe_route" in code and "moe_combine" in code and "index_add" not in code
+    if name == "hf-gpt-oss":
+        assert code.count("moe_local_expert_ids") == 4  # two biases in each of two layers
     spec_out = gm.meta["autopar_out_spec"]
     with moe.recording() as routes:
         out = pytree.tree_unflatten(list(local(x)), spec_out)
@@ -209,6 +237,65 @@ def test_rewritten_graph_at_ep1_matches_eager_output_and_gradients(name):
         torch.testing.assert_close(got[k], want[k], rtol=TOL, atol=TOL, msg=lambda m: f"{name} grad {k}: {m}")
     if name == "moe-tiny-capacity":
         assert any((~r.keep).any() for r in routes), "the capacity case dropped nothing: it checks nothing"
+
+
+@pytest.mark.parametrize("name", ["dense-block", "hf-llama4"])
+def test_dense_experts_rewritten_at_ep1_match_eager_output_and_gradients(name):
+    """Dense experts (every expert on every token, Llama 4) at ep=1: the tokens and scores pass
+    through `moe.dense_dispatch`, the sum over experts through `moe.dense_combine` (identities
+    without an ep axis), and the rewritten graph computes what eager does."""
+    from test_moe_detect_properties import DenseRouted
+
+    torch.manual_seed(0)
+    if name == "hf-llama4":
+        model = _hf("llama4")
+        x, y = torch.randint(0, 128, (4, 8)), torch.randint(0, 128, (4, 8))
+        loss_fn = lambda o, y: F.cross_entropy(o["logits"].flatten(0, 1), y.flatten())  # noqa: E731
+    else:
+        model, x, y = DenseRouted(K=2), torch.randn(6, 8), torch.randn(6, 8)
+        loss_fn = lambda o, y: (o - y).pow(2).mean()  # noqa: E731
+    local, gm = _rewrite_ep1(model, x)
+    assert {b.idiom for b in detect_moe(gm)} == {"dense"}
+    code = local.code
+    n_blocks = 2 if name == "hf-llama4" else 1
+    assert code.count("moe_dense_dispatch(") == 2 * n_blocks and code.count("moe_dense_combine(") == n_blocks
+    assert "moe_route" not in code and "[4, 1]" in code  # ep=1 keeps all 4 experts
+    out = pytree.tree_unflatten(list(local(x)), gm.meta["autopar_out_spec"])
+    ref = model(x)
+    for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
+        torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
+    loss_fn(out, y).backward()
+    got = _grads(model)
+    loss_fn(ref, y).backward()
+    want = _grads(model)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=TOL, atol=TOL, msg=lambda m: f"{name} grad {k}: {m}")
+
+
+def test_dense_experts_rewritten_for_ep2_keep_this_ranks_experts_and_reduce_scatter_the_sum():
+    """The rank-1 program of a dense block at ep=2 (built without processes; the collectives run
+    in tests/dist/test_moe_families.py): experts 2 and 3 of the weight, the scores' columns 2:4 of
+    the gathered (N, E) scores, repeats and views over 2 experts, and the combine over 'ep'."""
+    from test_moe_detect_properties import DenseRouted
+
+    torch.manual_seed(0)
+    model = DenseRouted(K=2)
+    gm = autopar.capture(model, (torch.randn(6, 8),))
+    plan = Plan(mesh={"ep": 2}, dp_axis=None)
+    plan.extra["expert"] = plan_experts(gm, {"ep": 2})
+    mesh = Mesh({"ep": 2})
+    set_active_mesh(mesh, rank=1)
+    try:
+        local = expert(api._fresh(gm), PassContext(plan, {"ep": 2}, {"ep": 1}))
+    finally:
+        set_active_mesh(None)
+    local.recompile()
+    torch.testing.assert_close(dict(local.named_parameters())["w"], model.w.detach()[2:4], rtol=0, atol=0)
+    code = local.code
+    assert "moe_dense_dispatch(x, 'ep')" in code and "aten.slice.Tensor(dense_dispatch_1, 1, 2, 4)" in code
+    assert "repeat.default(dense_dispatch, [2, 1])" in code and code.count("[2, -1, 8]") == 2
+    assert "moe_dense_combine(sum_1, 'ep')" in code and "grad_scale(w, 0.5)" in code
 
 
 # --- the dispatcher in one process ----------------------------------------------------------------

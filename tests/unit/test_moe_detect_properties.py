@@ -3,7 +3,11 @@
 a routed scaling factor, router z-loss) with shared experts (with and without their own gate)
 after a dense layer is a block; a clamping expert activation is row-wise because clamp's
 sharding rule says so; an op that mixes rows, or a top-k that is no router, gets an error
-naming the node, the rule and what to do. (ep parity of the same block: tests/dist/test_moe_families.py.)
+naming the node, the rule and what to do. So do the routings expert parallelism cannot split
+(autopar/search/expert_reasons.py): an expert choice by max with sampled noise (PhiMoE), experts
+kept opaque (DBRX's loop). Top-k scores scattered into a dense matrix with every expert on every
+token (Llama 4) are a dense block (autopar/search/expert_dense.py), refused when an expert op
+mixes tokens. (ep parity of the same block: tests/dist/test_moe_families.py.)
 """
 import pytest
 import torch
@@ -161,3 +165,117 @@ def test_an_ep_mesh_on_a_model_whose_topk_is_no_router_is_told_which_node_and_wh
     msg = str(err.value)
     assert ":topk#0" in msg and "its indices reach no dispatch" in msg and "lin.weight" in msg
     assert "topk" in msg and "leaf_modules" in msg and "mesh without the ep axis" in msg
+
+
+class DenseRouted(nn.Module):
+    """Llama-4-style routing: the top-k scores are scattered into a dense (N, E) matrix and every
+    expert runs on every token (a batched matmul over (E, N, D)); no rows are dispatched.
+    `mix_tokens` makes the experts subtract their mean over tokens, which no split of the
+    tokens can reproduce."""
+
+    def __init__(self, D=8, E=4, K=1, mix_tokens=False):
+        super().__init__()
+        self.E, self.K, self.mix_tokens = E, K, mix_tokens
+        self.router = nn.Linear(D, E, bias=False)
+        self.w = nn.Parameter(torch.randn(E, D, D) * 0.1)
+
+    def forward(self, x):  # (N, D)
+        logits = self.router(x)
+        v, i = logits.topk(self.K, 1)
+        s = torch.full_like(logits, float("-inf")).scatter_(1, i, v).sigmoid()  # (N, E), 0 off the top-k
+        rows = x.repeat(self.E, 1) * s.t().reshape(-1, 1)  # (E * N, D)
+        h = torch.bmm(rows.view(self.E, -1, x.shape[1]), self.w)  # (E, N, D)
+        if self.mix_tokens:
+            h = h - h.mean(1, keepdim=True)
+        out = h.view(-1, x.shape[1])
+        return out.view(self.E, -1, x.shape[1]).sum(0)
+
+
+class SampledMax(nn.Module):
+    """PhiMoE-style choice: one expert per token by a max over router scores plus Gumbel noise
+    (training), then the experts' outputs through a gather of the chosen expert's weights."""
+
+    def __init__(self, D=8, E=4):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.w = nn.Parameter(torch.randn(E, D) * 0.1)
+
+    def forward(self, x):  # (N, D)
+        scores = self.router(x)
+        noise = torch.empty_like(scores).exponential_().log()
+        e = (scores - noise).max(dim=-1)[1]  # (N,)
+        return x * self.w[e] * scores.softmax(-1).gather(1, e[:, None])
+
+
+def test_dense_routed_experts_are_a_dense_block_with_tokens_scores_and_expert_sizes():
+    """Every expert on every token (Llama 4): the block enters at the repeat of the tokens and
+    the transpose of the dense scores (computed from the scatter), leaves at the sum over experts,
+    and names the sizes that say E (the repeat, the (E, -1, D) views) for the rewrite."""
+    torch.manual_seed(0)
+    gm = autopar.capture(DenseRouted(), (torch.randn(6, 8),))
+    (b,) = detect_moe(gm)
+    assert (b.idiom, b.n_experts, b.top_k, b.hidden, b.gate) == ("dense", 4, 1, 8, "router.weight")
+    assert b.expert_params == {"w": "dim0"} and b.tokens == "input:0" and b.combine == ":sum#0"
+    assert b.dense_entries == [{"node": ":repeat#0", "source": "input:0", "per": "token"},
+                               {"node": ":t#0", "source": ":sigmoid#0", "per": "score"}]
+    assert b.dense_sizes == [":repeat#0", ":view#0", ":view#2"]
+    assert b.flops_per_row == 2 * 8 * 8
+
+
+def test_an_ep_mesh_on_dense_experts_that_mix_tokens_names_the_op_and_what_to_do():
+    torch.manual_seed(0)
+    gm = autopar.capture(DenseRouted(mix_tokens=True), (torch.randn(6, 8),))
+    with pytest.raises(MoEDetectError) as err:
+        plan_experts(gm, {"ep": 2})
+    msg = str(err.value)
+    assert ":topk#0" in msg and ":scatter_#0" in msg and "router.weight" in msg and ":mean#0" in msg
+    assert "every expert runs on every token" in msg and "mixes experts or tokens" in msg
+    assert "leaf_modules" in msg and "without the ep axis" in msg
+
+
+def test_an_ep_mesh_on_a_max_with_sampled_noise_names_the_max_and_the_random_op():
+    torch.manual_seed(0)
+    gm = autopar.capture(SampledMax(), (torch.randn(6, 8),))
+    assert detect_moe(gm) == []
+    with pytest.raises(ValueError) as err:
+        plan_experts(gm, {"ep": 2})
+    msg = str(err.value)
+    assert ":max#0" in msg and "instead of aten.topk" in msg and "router.weight" in msg
+    assert ":exponential_#0" in msg and "leaf_modules" in msg
+
+
+class LoopExperts(nn.Module):
+    """DBRX-style experts: a Python loop over the experts that were hit (data-dependent)."""
+
+    def __init__(self, D=8, E=4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(E, D, D) * 0.1)
+
+    def forward(self, x, idx, wts):  # (N, D), (N, K), (N, K)
+        out = torch.zeros_like(x)
+        for e in range(self.w.shape[0]):
+            tok, k = torch.where(idx == e)
+            out = out.index_add(0, tok, (x[tok] @ self.w[e]) * wts[tok, k, None])
+        return out
+
+
+class RoutedToLoop(nn.Module):
+    def __init__(self, D=8, E=4):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = LoopExperts(D, E)
+
+    def forward(self, x):
+        w, i = self.router(x).softmax(-1).topk(2, -1)
+        return self.experts(x, i, w)
+
+
+def test_an_ep_mesh_on_experts_kept_opaque_names_the_leaf_module():
+    torch.manual_seed(0)
+    gm = autopar.capture(RoutedToLoop(), (torch.randn(6, 8),), leaf_modules=["experts"])
+    assert detect_moe(gm) == []
+    with pytest.raises(ValueError) as err:
+        plan_experts(gm, {"ep": 2})
+    msg = str(err.value)
+    assert "topk#0" in msg and "opaque module 'experts'" in msg and "router.weight" in msg
+    assert "the experts are not in the graph" in msg and "without the ep axis" in msg
