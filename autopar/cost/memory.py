@@ -371,6 +371,10 @@ class GradBuffers:
         self._refs: dict[int, int] = {}
         self._grads: dict[int, int] = {}  # id(TensorMeta) -> buffer id
         self._seen_param: set[Any] = set()
+        # storages of parameters and buffers: a gradient for a view of one (the transposed expert
+        # weights a grouped matmul reads) is that parameter's gradient, not a new buffer
+        # (measured: tests/unit/test_planner_moe_scale.py)
+        self._state_bytes = {k: st.nbytes for k, st in gc.storages.items() if st.is_state}
 
     def _alloc(self, nbytes: float) -> int:
         b = len(self._buf) + 1
@@ -400,11 +404,12 @@ class GradBuffers:
         out_numel = n.outputs[0].numel if n.outputs else None
         transient = 0.0
         for i, t in enumerate(n.grad_inputs):
-            if t.is_state:
+            if t.is_state or t.key in self._state_bytes:
                 if t.key not in self._seen_param:
                     self._seen_param.add(t.key)
                     if not self.preallocated:
-                        self.param_grads += self.pg.get(t.key, self.ev(t.nbytes))
+                        full = t.nbytes if t.is_state else self._state_bytes[t.key]
+                        self.param_grads += self.pg.get(t.key, self.ev(full))
             elif id(t) in self._grads:  # accumulated into the existing gradient: a temporary
                 transient += self.ev(t.nbytes)
             elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):

@@ -459,16 +459,16 @@ class PlanCostModel(PlanTables):
             ready += B_u[x]
             ready_at.append((ready, float(st.grad_payload[x]), float(st.gather[x])))
         free, after, t_all, b_all = t0, 0.0, 0.0, 0.0
-        for when, payload, gpay in _buckets(ready_at, self.bucket_bytes):
+        for when, payload, gpay, n in _buckets(ready_at, self.bucket_bytes):
             d = dp_link.time(op, payload)
-            free = max(free, when) + d
-            t_all += d
-            b_all += dp_link.bytes_sent(op, payload)
+            free = max(free, when) + n * d  # n equal buckets ready together go one after another
+            t_all += n * d
+            b_all += n * dp_link.bytes_sent(op, payload)
             if z >= 1 and gpay > 0:
-                g = dp_link.time("all_gather", gpay)
+                g = n * dp_link.time("all_gather", gpay)
                 after += g
                 t_all += g
-                b_all += dp_link.bytes_sent("all_gather", gpay)
+                b_all += n * dp_link.bytes_sent("all_gather", gpay)
         return max(0.0, free - end_r), after, t_all, b_all
 
     def _comm_report(self, c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed, z3f, z3b, rows):
@@ -570,13 +570,22 @@ def _chain_factor(m: int, S: int, gamma: float) -> float:
 def _buckets(ready: list[tuple[float, float, float]], caps: tuple[float, float]):
     """Group per-unit gradients (in backward order: ready time, sync payload, gather payload)
     into buckets of at most caps[0] bytes for the first and caps[1] after; a unit larger than a
-    bucket is cut into pieces (ready when the unit is). Yields (ready, payload, gather payload)."""
+    bucket is cut into pieces (ready when the unit is). Yields (ready, payload, gather payload,
+    count): `count` equal buckets in a row (a unit of many buckets' worth is one run, not one
+    yield per bucket: a 600B-class MoE layer's experts are thousands of 25 MB buckets)."""
     cap = caps[0]
     cur_t, cur_p, cur_g = 0.0, 0.0, 0.0
     for when, p, g in ready:
         if p <= 0:
             continue
         while p > 0:
+            if cur_p == 0 and cap == caps[1] and p >= 2 * cap:  # whole buckets of this unit, as one run
+                n = int(p // cap) - 1  # the last whole one goes through the general path below
+                share = g * (cap / p)
+                yield when, cap, share, n
+                p -= n * cap
+                g -= n * share
+                continue
             room = cap - cur_p
             take = min(p, room) if cur_p > 0 or p <= cap else cap
             frac = take / p
@@ -586,8 +595,8 @@ def _buckets(ready: list[tuple[float, float, float]], caps: tuple[float, float])
             p -= take
             g -= g * frac
             if cur_p >= cap * (1 - 1e-12):
-                yield cur_t, cur_p, cur_g
+                yield cur_t, cur_p, cur_g, 1
                 cur_p = cur_g = 0.0
                 cap = caps[1]
     if cur_p > 0:
-        yield cur_t, cur_p, cur_g
+        yield cur_t, cur_p, cur_g, 1
