@@ -376,4 +376,5 @@ class ExpertProgram(Program):
 
 
 __all__ = ["Route", "route", "dispatch", "combine", "dense_dispatch", "dense_combine", "expert_rows", "local_offsets",
+           "local_expert_ids",
            "keep_mask", "recording", "group_capacity", "grad_avg", "grad_scale", "ExpertProgram"]

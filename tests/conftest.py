@@ -28,6 +28,7 @@ def _warm_before_worlds(request):
     yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs it), every test of
     tests/dist goes to one worker, in order: two gloo worlds of 4 processes at once would only

@@ -98,7 +98,7 @@ class _Traffic:
 def plan_fusions(gm: fx.GraphModule, hardware: Hardware | str = "h100-sxm", *,
                  sizes: Mapping[str, int] | None = None, batch_split: int = 1,
                  rules: list[str] | None = None, min_gain: float = 0.01,
-                 prefer_memory: bool = False) -> tuple[list[str], list[FusionChoice]]:
+                 prefer_memory: bool = False, gc: GraphCost | None = None) -> tuple[list[str], list[FusionChoice]]:
     """Choose the fusions that the cost model predicts to be faster.
 
     Args:
@@ -110,6 +110,7 @@ def plan_fusions(gm: fx.GraphModule, hardware: Hardware | str = "h100-sxm", *,
         rules: rule names to consider (default: all).
         min_gain: fuse a group when it saves more than this fraction of its unfused time.
         prefer_memory: also fuse groups predicted slower that free saved activations.
+        gc: `cost.analyze(gm, hardware)` when the caller has it (the joint planner).
     Returns:
         (entries for `Plan.fusions`: "rule" where every group of the rule is fused, else
         "rule@module" per fused group; one FusionChoice per group, in graph order).
@@ -120,7 +121,7 @@ def plan_fusions(gm: fx.GraphModule, hardware: Hardware | str = "h100-sxm", *,
     matches = find_matches(gm, rules)
     if not matches:
         return [], []
-    gc = analyze(gm, hw)
+    gc = gc if gc is not None else analyze(gm, hw)
     values = gc.values(_sizes(gc, sizes, batch_split))
     cost = _Coster(gm, gc, hw, values)
     groups: dict[tuple[str, str], list[Match]] = {}

@@ -566,29 +566,16 @@ class _Search:
         return plan
 
     def _fusions(self, c: Candidate) -> list[str]:
-        """The fusion search's choice for the chosen plan's per-rank batch, when that search
-        exists (`search.fusion.plan_fusions`; given the planner's analysis when it takes one)."""
-        try:
-            from autopar.search.fusion import plan_fusions  # noqa: PLC0415
-        except ImportError:
-            return []
-        import inspect  # noqa: PLC0415
+        """The fusion search's choice for the chosen plan's per-rank batch, on the planner's own
+        analysis of the graph (one `cost.analyze`, not a second)."""
+        from autopar.search.fusion import plan_fusions  # noqa: PLC0415
 
-        kw: dict[str, Any] = {}
-        params = inspect.signature(plan_fusions).parameters
-        if "batch_split" in params:
-            kw["batch_split"] = c.dp * c.ep * c.micro
-        if "gc" in params:
-            kw["gc"] = self.model.gc
         try:
-            res = plan_fusions(self.gm, self.hw, **kw)
+            names, _ = plan_fusions(self.gm, self.hw, batch_split=c.dp * c.ep * c.micro, gc=self.model.gc)
         except Exception as e:  # noqa: BLE001 - an optional inner step: reported, not fatal
             self.notes.append(f"fusion search failed ({type(e).__name__}: {str(e)[:160]}); no fusions planned")
             return []
-        if isinstance(res, tuple):
-            res = res[0]
-        names = getattr(res, "fusions", res)
-        return [str(n) for n in names] if isinstance(names, (list, tuple)) else []
+        return [str(n) for n in names]
 
 
 def _states(ev: Evaluation) -> float:
