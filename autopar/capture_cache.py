@@ -8,10 +8,10 @@ ranks. The graph depends only on what the model's code reads, so a capture is re
 of these are equal:
 
   * the class of every module (the type object itself), its `training` flag, its hooks (by
-    identity) and its other attributes: plain values by value, module-level functions by name,
-    configs (objects with `to_dict()`, a transformers `PretrainedConfig`) by all their fields,
-    private ones included (`_attn_implementation_internal`), anything else (closures, tensors
-    held as plain attributes, other objects) by identity, kept alive by the memo so an identity
+    identity) and its other attributes: plain values by value, configs (objects with `to_dict()`, a transformers `PretrainedConfig`) by all their fields,
+    private ones included (`_attn_implementation_internal`), anything else (functions,
+    tensors held as plain attributes, other objects) by identity (a module-level function is one
+    object in every instance, two lambdas are two), kept alive by the memo so an identity
     cannot be reused;
   * every parameter's and buffer's name, shape, dtype, device type and requires_grad, and which
     names share one tensor (tied weights);
@@ -39,7 +39,6 @@ from __future__ import annotations
 import copy
 import enum
 import os
-import types
 from collections import OrderedDict
 from typing import Any
 
@@ -96,8 +95,6 @@ def _value_key(v: Any, keep: list, depth: int = 0):
         return ("config", id(type(v)), _value_key(dict(sorted(vars(v).items())), keep, depth + 1))
     if isinstance(v, enum.Enum):
         return ("enum", repr(v))
-    if isinstance(v, types.FunctionType) and "<locals>" not in v.__qualname__ and not v.__closure__:
-        return ("fn", v.__module__, v.__qualname__)  # a module-level function: the same in every instance
     keep.append(v)  # identity: kept alive by the entry, so the id cannot be reused
     return ("id", type(v).__qualname__, id(v))
 

@@ -27,14 +27,3 @@ def _warm_before_worlds(request):
         harness.warm_parent()
     yield
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the node id
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs it), every test of
-    tests/dist goes to one worker, in order: two gloo worlds of 4 processes at once would only
-    share 2 cores, while the single-process tests fill the other worker meanwhile."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if str(item.path).startswith(_DIST):
-            item.add_marker(pytest.mark.xdist_group("gloo-worlds"))

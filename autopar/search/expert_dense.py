@@ -35,33 +35,21 @@ import torch
 import torch.fx as fx
 
 from autopar.search.expert_graph import MoEGraph, same_size, shape_of, sym
-from autopar.search.expert_props import base_name, param_of, row_wise_failure
+from autopar.search.expert_props import base_name, param_of, row_wise_failure, users_through
 
 SCATTERS = ("aten.scatter", "aten.scatter_", "aten.scatter_add", "aten.scatter_add_")
 BATCHED = ("aten.bmm", "aten.matmul")
 VIEWS = ("aten.view", "aten.reshape", "aten._unsafe_view")
 TRANSPOSES = ("aten.transpose", "aten.t", "aten.permute")
-# ops an index tensor passes through on its way to a scatter (views, casts)
-PASS_THROUGH = ("aten.view", "aten.reshape", "aten.unsqueeze", "aten.expand", "aten.to", "aten._to_copy",
-                "aten.clone", "aten.contiguous", "aten.alias")
 ASSERTS = ("aten._assert_tensor_metadata",)
 
 
 def dense_scatter(idx: fx.Node, n_tokens, E: int) -> fx.Node | None:
     """A scatter of router scores into a (N, E) matrix by `idx` (through views): dense routing."""
-    stack, seen = [idx], set()
-    while stack:
-        m = stack.pop()
-        for u in m.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            b = base_name(u)
-            if b in SCATTERS and len(u.args) > 2 and u.args[2] is m and shape_of(u) and \
-                    len(shape_of(u)) == 2 and same_size(shape_of(u)[0], n_tokens) and shape_of(u)[1] == E:
-                return u
-            if b in PASS_THROUGH:
-                stack.append(u)
+    for m, u in users_through(idx):
+        if base_name(u) in SCATTERS and len(u.args) > 2 and u.args[2] is m and shape_of(u) and \
+                len(shape_of(u)) == 2 and same_size(shape_of(u)[0], n_tokens) and shape_of(u)[1] == E:
+            return u
     return None
 
 

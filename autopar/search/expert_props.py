@@ -33,6 +33,26 @@ WEIGHT_CASTS = {"aten.to", "aten._to_copy", "aten.clone", "aten.contiguous", "at
                 "aten.type_as"}
 
 
+# ops an index tensor passes through on its way to a scatter or a leaf (views, casts)
+PASS_THROUGH = ("aten.view", "aten.reshape", "aten.unsqueeze", "aten.expand", "aten.to", "aten._to_copy",
+                "aten.clone", "aten.contiguous", "aten.alias")
+
+
+def users_through(start: fx.Node, through=PASS_THROUGH):
+    """(read, user) for every node that reads `start` directly or through a chain of `through`
+    ops, each user once: `read` is the node it reads (`start` or the last op of the chain)."""
+    stack, seen = [start], set()
+    while stack:
+        m = stack.pop()
+        for u in m.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            yield m, u
+            if base_name(u) in through:
+                stack.append(u)
+
+
 def base_name(n: fx.Node) -> str:
     """'aten.linear' for aten.linear.default (overload dropped)."""
     if n.op != "call_function":

@@ -24,15 +24,12 @@ import torch.fx as fx
 
 from autopar.passes.rules.sharding import op_name
 from autopar.search.expert_graph import MoEGraph
-from autopar.search.expert_props import base_name, find_router, param_of, router_failure
+from autopar.search.expert_props import base_name, find_router, param_of, router_failure, users_through
 
 SELECTS = ("aten.topk", "aten.max", "aten.argmax")
 RANDOM = ("aten.exponential", "aten.exponential_", "aten.rand", "aten.rand_like", "aten.uniform", "aten.uniform_",
           "aten.bernoulli", "aten.bernoulli_", "aten.multinomial", "aten.randn", "aten.randn_like", "aten.normal",
           "aten.normal_")
-# ops an index tensor passes through on its way to a scatter (views, casts)
-PASS_THROUGH = ("aten.view", "aten.reshape", "aten.unsqueeze", "aten.expand", "aten.to", "aten._to_copy",
-                "aten.clone", "aten.contiguous", "aten.alias")
 
 
 def _indices(n: fx.Node) -> fx.Node | None:
@@ -47,18 +44,8 @@ def _indices(n: fx.Node) -> fx.Node | None:
 
 def _opaque_user(idx: fx.Node) -> fx.Node | None:
     """An opaque leaf-module node (`autopar::leaf`, capture's leaf_modules) that reads `idx`."""
-    stack, seen = [idx], set()
-    while stack:
-        m = stack.pop()
-        for u in m.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            if u.op == "call_function" and op_name(u.target).startswith("autopar.leaf"):
-                return u
-            if base_name(u) in PASS_THROUGH:
-                stack.append(u)
-    return None
+    return next((u for _, u in users_through(idx)
+                 if u.op == "call_function" and op_name(u.target).startswith("autopar.leaf")), None)
 
 
 def _random_source(g: MoEGraph, idx: fx.Node, tokens: fx.Node) -> fx.Node | None:

@@ -88,6 +88,30 @@ def test_what_the_graph_depends_on_misses():
     assert not autopar.capture(hooked, (ids,)).meta["autopar_capture"].get("cached")
 
 
+class _Apply(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+_NEG = lambda x: -x  # noqa: E731 - two module-level lambdas: one name, "<lambda>", two functions
+_TWICE = lambda x: 2 * x  # noqa: E731
+
+
+def test_functions_held_by_a_module_are_keyed_by_identity():
+    capture_cache.clear()
+    x = torch.randn(3, 4)
+    assert "neg" in autopar.capture(_Apply(_NEG), (x,)).code
+    g = autopar.capture(_Apply(_TWICE), (x,))
+    assert not g.meta["autopar_capture"].get("cached") and "mul" in g.code
+    assert autopar.capture(_Apply(_TWICE), (x,)).meta["autopar_capture"]["cached"] is True
+    act = autopar.capture(_Apply(F.gelu), (x,))  # one function object in every instance: shared
+    assert autopar.capture(_Apply(F.gelu), (x,)).meta["autopar_capture"]["cached"] is True and "gelu" in act.code
+
+
 def test_rewriting_a_returned_graph_leaves_the_stored_one_untouched():
     capture_cache.clear()
     ids = _ids()
