@@ -568,11 +568,9 @@ def _chain_factor(m: int, S: int, gamma: float) -> float:
 
 
 def _buckets(ready: list[tuple[float, float, float]], caps: tuple[float, float]):
-    """Group per-unit gradients (in backward order: ready time, sync payload, gather payload)
-    into buckets of at most caps[0] bytes for the first and caps[1] after; a unit larger than a
-    bucket is cut into pieces (ready when the unit is). Yields (ready, payload, gather payload,
-    count): `count` equal buckets in a row (a unit of many buckets' worth is one run, not one
-    yield per bucket: a 600B-class MoE layer's experts are thousands of 25 MB buckets)."""
+    """Per-unit gradients (backward order: ready, sync payload, gather payload) in buckets of at
+    most caps[0] bytes, then caps[1]; a larger unit is cut (ready when the unit is). Yields
+    (ready, payload, gather payload, count): `count` equal buckets in a row, one run."""
     cap = caps[0]
     cur_t, cur_p, cur_g = 0.0, 0.0, 0.0
     for when, p, g in ready:
