@@ -568,9 +568,8 @@ def _chain_factor(m: int, S: int, gamma: float) -> float:
 
 
 def _buckets(ready: list[tuple[float, float, float]], caps: tuple[float, float]):
-    """Per-unit gradients (backward order: ready, sync payload, gather payload) in buckets of at
-    most caps[0] bytes, then caps[1]; a larger unit is cut (ready when the unit is). Yields
-    (ready, payload, gather payload, count): `count` equal buckets in a row, one run."""
+    """Per-unit gradients (ready, sync, gather payloads) in buckets of caps[0] bytes, then caps[1];
+    yields (ready, payload, gather payload, count): `count` equal buckets in a row, as one run."""
     cap = caps[0]
     cur_t, cur_p, cur_g = 0.0, 0.0, 0.0
     for when, p, g in ready:
