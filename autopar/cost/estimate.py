@@ -317,8 +317,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     persistent = dev["params"] + dev["master"] + dev["optimizer"] + dev["buffers"]
     dev_grads = dev["grads"]
     end_of_bwd = persistent + dev_grads + transient + live.inputs
-    adam_tmp = (states.optimizer - (4 * len(trainable) if opt.step_tensor else 0)) / max(opt.states, 1) \
-        if opt.states else 0
+    adam_tmp = opt.step_temporary(states.optimizer - (4 * len(trainable) if opt.step_tensor else 0), hw.device.kind)
     opt_peak = persistent + dev_grads + (0 if plan.offload else adam_tmp)
     peak = max(persistent + live.peak + (transient if zero == 3 else 0), end_of_bwd, opt_peak)
     memory = {**{k: float(v) for k, v in states.to_dict().items() if k != "total"},

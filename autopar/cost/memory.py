@@ -68,6 +68,7 @@ GRAD_PASSTHROUGH = {"aten.add", "aten.sub", "aten.to", "aten._to_copy", "aten.cl
                     "aten.dropout", "aten.alias", "aten.detach", "aten.type_as", "operator.getitem"}
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+FUSED_UPDATES = ("sgd", "sgd_momentum", "adam", "adamw")  # torch has a fused CUDA kernel for these
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,18 @@ class OptimizerSpec:
     @property
     def step_tensor(self) -> bool:
         return self.name in ("adam", "adamw")
+
+    def step_temporary(self, state_bytes: float, device_kind: str) -> float:
+        """Transient device bytes of one update over parameters whose states (without the `step`
+        scalars) total `state_bytes`. On a GPU the engines hand torch's fused kernel the update
+        when the caller chose no implementation (runtime/zero_engine `make_optimizer`,
+        runtime/offload `optimizer_kwargs`): one in-place pass, no temporaries (measured: the
+        1.1 B GPT's bf16-mixed step with recompute peaks at 21.1 GiB on an H200, 24.7 GiB
+        predicted with a state's worth of temporaries). Elsewhere torch's for-each or per-tensor
+        update: one state's worth, the sqrt(v) temporary (an upper bound for the CPU's loop)."""
+        if not self.states or (device_kind == "cuda" and self.name in FUSED_UPDATES):
+            return 0.0
+        return state_bytes / self.states
 
     @staticmethod
     def of(x: Any) -> "OptimizerSpec":
