@@ -12,8 +12,16 @@ An optional `"host"` section (`{"bandwidth": B/s per direction device<->host, "m
 B/s of CPU memory one device's optimizer step gets}`) prices offload; without one the
 documented defaults DEFAULT_HOST_BANDWIDTH / DEFAULT_HOST_MEMORY_BANDWIDTH apply.
 
+An optional `"compute"` section (autopar/cost/compute_tables.py) gives efficiency by shape:
+GEMMs by (dtype, m, n, k), attention by (seq, head_dim, causal), and a per-kernel floor in
+seconds. `Hardware.matmul_eff` / `attention_eff` / `kernel_floor` read it and fall back to the
+flat "efficiency" factors (which stay required: hand-written profiles and the searches' quick
+bounds use them) where it has no rows.
+
 A profile may `"extends"` another by name; its keys are merged over the parent's (nested
-dicts merge key by key).
+dicts merge key by key). A profile that sets a flat efficiency.matmul or .attention of its own
+without a compute table for that kind drops the table it inherits for that kind: the most
+specific statement wins.
 
 `default_profile(device_type)` names the profile used when none is given.
 
@@ -26,6 +34,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
+
+from .compute_tables import ComputeTable, table_from_dict
 
 # host <-> device defaults for profiles without a "host" section (offload pricing)
 DEFAULT_HOST_BANDWIDTH = 25e9  # bytes/s per direction: pinned copies over PCIe 4.0/5.0 x16 as typically measured, not the link's peak
@@ -87,6 +97,7 @@ class Hardware:
     # defaults above
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH
+    compute: ComputeTable | None = None  # efficiency by shape; None: the flat factors alone
 
     @property
     def world_size(self) -> int:
@@ -102,7 +113,37 @@ class Hardware:
                              f"{sorted(self.device.peak_flops)}") from None
 
     def eff(self, key: str) -> float:
+        """The flat efficiency factor `key` (the fallback of the shape tables)."""
         return self.efficiency[key]
+
+    def matmul_eff(self, dtype_name: str, m: float | None = None, n: float | None = None,
+                   k: float | None = None) -> float:
+        """Fraction of peak[dtype] a GEMM of shape (m, n, k) reaches: the compute table's when it
+        has rows for the dtype and the shape is known, else the flat efficiency.matmul."""
+        if self.compute is not None and m is not None:
+            # an fp32 GEMM runs at the peak (and so the rows) fp32_matmul names: fp32 or tf32
+            e = self.compute.matmul_efficiency(self.fp32_matmul if dtype_name == "fp32" else dtype_name, m, n, k)
+            if e is not None:
+                return e
+        return self.efficiency["matmul"]
+
+    def attention_eff(self, dtype_name: str, seq: float | None = None, head_dim: float | None = None,
+                      causal: bool = False, backward: bool = False) -> float:
+        """Fraction of peak[dtype] fused attention reaches at (seq, head_dim, causal), forward or
+        backward: the compute table's, else the flat efficiency.attention."""
+        if self.compute is not None and seq is not None:
+            e = self.compute.attention_efficiency(dtype_name, seq, head_dim or 64, causal, backward)
+            if e is not None:
+                return e
+        return self.efficiency["attention"]
+
+    def kernel_floor(self, kind: str) -> float:
+        """The shortest device time of one kernel of `kind` (0 without a compute table)."""
+        return self.compute.floor(kind) if self.compute is not None else 0.0
+
+    def with_compute(self, table: ComputeTable | None) -> "Hardware":
+        """A copy with the compute table replaced (what `autopar tune` writes)."""
+        return replace(self, compute=table, calibration={**self.calibration, "source": "calibrated"})
 
     def with_nodes(self, nodes: int) -> "Hardware":
         """The same hardware with a different node count (e.g. 64 nodes of 8 = 512 GPUs)."""
@@ -111,11 +152,16 @@ class Hardware:
         return replace(self, nodes=nodes, name=f"{self.name}@{nodes}x{self.gpus_per_node}")
 
     def calibrated(self, **efficiency: float) -> "Hardware":
-        """A copy with efficiency factors replaced (what `autopar tune` writes)."""
+        """A copy with efficiency factors replaced. A flat matmul / attention factor replaces
+        the compute table's rows of that kind (a calibration states the factor that rules)."""
         bad = {k: v for k, v in efficiency.items() if k not in EFFICIENCY_KEYS or not 0 < v <= 1}
         if bad:
             raise ValueError(f"efficiency factors must be among {EFFICIENCY_KEYS} and in (0, 1], got {bad}")
-        return replace(self, efficiency={**self.efficiency, **efficiency},
+        table = self.compute
+        for kind in ("matmul", "attention"):
+            if kind in efficiency and table is not None:
+                table = table.without(kind)
+        return replace(self, efficiency={**self.efficiency, **efficiency}, compute=table,
                        calibration={**self.calibration, "source": "calibrated"})
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,6 +174,7 @@ class Hardware:
             "kernel_overhead_s": d["kernel_overhead_s"], "kernels": dict(d["kernels"]),
             "calibration": dict(d["calibration"]),
             "host": {"bandwidth": d["host_bandwidth"], "memory_bandwidth": d["host_memory_bandwidth"]},
+            **({"compute": self.compute.to_dict()} if self.compute is not None else {}),
         }  # fmt: skip
 
     def save(self, path: str | Path) -> None:
@@ -171,7 +218,11 @@ def _raw(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
         raise ValueError(f"hardware profile {path} is not valid JSON: {e}") from None
     parent = d.pop("extends", None)
     if parent is not None:
+        own_eff, own_compute = d.get("efficiency", {}), d.get("compute", {})
         d = _merge(_raw(parent, seen + (str(path),)), d)
+        for kind in ("matmul", "attention"):  # a flat factor of its own overrides the inherited table
+            if kind in own_eff and kind not in own_compute and isinstance(d.get("compute"), dict):
+                d["compute"] = {k: v for k, v in d["compute"].items() if k != kind}
     return d
 
 
@@ -194,6 +245,7 @@ def from_dict(d: Mapping[str, Any]) -> Hardware:
             calibration=dict(d.get("calibration", {})),
             host_bandwidth=float(d.get("host", {}).get("bandwidth", DEFAULT_HOST_BANDWIDTH)),
             host_memory_bandwidth=float(d.get("host", {}).get("memory_bandwidth", DEFAULT_HOST_MEMORY_BANDWIDTH)),
+            compute=table_from_dict(d["compute"], d.get("name", "?")) if d.get("compute") is not None else None,
         )  # fmt: skip
     except KeyError as e:
         raise ValueError(f"hardware profile {d.get('name', '?')!r} lacks the key {e}; see "

@@ -1,12 +1,18 @@
 """The one per-node time formula, and the tensor-parallel divisors it is applied with.
 
 `NodeTimer(hw, values).node(node_cost, div)` is (forward, backward) seconds of one node on one
-rank (roofline): max(matmul FLOPs / (peak[dtype] x eff.matmul) + other FLOPs / (vector peak x
-eff.vector), bytes / (memory bandwidth x eff.memory)) + kernel overhead; attention uses
-eff.attention and counts `causal_fraction` of the score matrix. Backward: the node's
-backward FLOPs, twice its other FLOPs, and bytes = output gradients + input gradients + saved
-tensors. The step estimate, the searches (sharding, fusion, planner) and the memory timeline
-all time nodes with it.
+rank (roofline): max(matmul FLOPs / (peak[dtype] x eff_mm) + other FLOPs / (vector peak x
+eff.vector), bytes / (memory bandwidth x eff.memory), floor[kind]) + kernel overhead.
+eff_mm is `hw.matmul_eff(dtype, m, n, k)`: the profile's compute table by GEMM shape
+(autopar/cost/compute_tables.py), else the flat eff.matmul. The shape comes from the node's
+FLOPs and its first output: n = out.shape[-1], m = out.numel / n (batch dims folded in),
+k = FLOPs / (2 m n); a tensor-parallel divisor shrinks max(n, k) (column-parallel shards n,
+row-parallel k, and the sharded one is the wide one). Attention uses `hw.attention_eff(dtype,
+seq, head_dim, causal, backward)` with seq and head_dim from its output (b, h, seq, head_dim)
+and counts `causal_fraction` of the score matrix. floor[kind] is the table's per-kernel floor
+(0 without one). Backward: the node's backward FLOPs, twice its other FLOPs, and bytes =
+output gradients + input gradients + saved tensors. The step estimate, the searches
+(sharding, fusion, planner) and the memory timeline all time nodes with it.
 
 `layout_divisors(gc, plan)`: the tensor-parallel plug-in. `Plan.node_layouts` maps a node key
 to its output layout; a node's compute is divided by the sizes of the axes where its output
@@ -53,34 +59,63 @@ class NodeTimer:
         key = (id(c), n.bwd_flops, n.has_grad_fn, tuple(nb for _k, nb, _t in n.saved), div)
         hit = self.cache.get(key)
         if hit is None:
-            hit = (self._t(c, self.ev(c.flops), self.ev(c.other_flops), self.ev(c.bytes_read + c.bytes_written), div),
-                   self._t(c, self.ev(n.bwd_flops), 2 * self.ev(c.other_flops), self._bwd_bytes(n), div)
+            flops = self.ev(c.flops)
+            shape = self._shape(c, n, flops)
+            hit = (self.seconds(c.kind, c.dtype, flops, self.ev(c.other_flops), self.ev(c.bytes_read + c.bytes_written),
+                                div=div, shape=shape, causal_fraction=c.causal_fraction),
+                   self.seconds(c.kind, c.dtype, self.ev(n.bwd_flops), 2 * self.ev(c.other_flops), self._bwd_bytes(n),
+                                div=div, shape=shape, causal_fraction=c.causal_fraction, backward=True)
                    if n.has_grad_fn else 0.0)
             self.cache[key] = hit
         return hit
+
+    def _shape(self, c, n: NodeCost, flops: float) -> tuple[float, ...] | None:
+        """matmul: (m, n, k) of one forward GEMM; attention: (seq, head_dim); else None."""
+        if c.kind not in ("matmul", "attention") or not n.outputs or not flops:
+            return None
+        out = n.outputs[0]
+        if len(out.shape) < (2 if c.kind == "attention" else 1):
+            return None
+        last, numel = self.ev(out.shape[-1]), self.ev(out.numel)
+        if not last or not numel:
+            return None
+        if c.kind == "attention":
+            return self.ev(out.shape[-2]), last
+        return numel / last, last, flops / (2.0 * numel)
 
     def _bwd_bytes(self, n: NodeCost) -> float:
         b = sum(self.ev(t.nbytes) for t in n.outputs) + sum(self.ev(t.nbytes) for t in n.grad_inputs)
         return b + sum(self.ev(nb) for _k, nb, _t in n.saved)
 
-    def _t(self, c, flops: float, other: float, nbytes: float, div: int) -> float:
+    def seconds(self, kind: str, dtype: str, flops: float, other: float, nbytes: float, *, div: int = 1,
+                shape: tuple[float, ...] | None = None, causal_fraction: float = 1.0,
+                backward: bool = False) -> float:
+        """Seconds of one kernel of `kind` ("matmul", "attention", "vector") on one rank: the
+        roofline with the shape's efficiency, its floor and the launch overhead. `shape`:
+        (m, n, k) of a matmul (one GEMM, before `div`), (seq, head_dim) of attention; None:
+        the flat efficiency."""
         hw = self.hw
         flops, other, nbytes = flops / div, other / div, nbytes / div
         t_c = 0.0
-        dt = c.dtype
+        dt = dtype
         if self.compute_dtype is not None and dt in ("fp32", "bf16", "fp16") \
                 and (self.compute_dtype in hw.device.peak_flops or self.compute_dtype == "fp32"):
             dt = self.compute_dtype
-        if c.kind == "matmul":
-            t_c = flops / (hw.peak(dt if dt in hw.device.peak_flops or dt == "fp32" else "fp32")
-                           * hw.eff("matmul"))
-        elif c.kind == "attention":
-            t_c = flops * c.causal_fraction / (hw.peak(dt if dt in hw.device.peak_flops else "fp32")
-                                               * hw.eff("attention"))
+        if kind == "matmul":
+            dt = dt if dt in hw.device.peak_flops or dt == "fp32" else "fp32"
+            if shape is not None and div > 1:
+                m_, n_, k_ = shape
+                shape = (m_, n_ / div, k_) if n_ >= k_ else (m_, n_, k_ / div)
+            t_c = flops / (hw.peak(dt) * hw.matmul_eff(dt, *(shape or ())))
+        elif kind == "attention":
+            dt = dt if dt in hw.device.peak_flops else "fp32"
+            seq, hd = shape if shape is not None else (None, None)
+            eff = hw.attention_eff(dt, seq, hd, causal_fraction < 1.0, backward)
+            t_c = flops * causal_fraction / (hw.peak(dt) * eff)
         t_v = other / (hw.device.vector_flops * hw.eff("vector"))
         t_m = nbytes / (hw.device.memory_bandwidth * hw.eff("memory"))
-        return max(t_c + t_v, t_m) + hw.kernel_overhead_s
-
+        floor = hw.kernel_floor(kind if kind in ("matmul", "attention") else "vector")
+        return max(t_c + t_v, t_m, floor) + hw.kernel_overhead_s
 
 
 def layout_divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], dict[Any, int]]:

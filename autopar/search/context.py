@@ -60,7 +60,8 @@ def plan_context(gm: fx.GraphModule, mesh: Mapping[str, int], method: str = "aut
         item = q.dtype.itemsize
         tl = t // cp
         block_flops = 4 * b * h_local * tl * tl * d * 0.5  # causal zigzag: half a block pair per step, on average
-        peak = hw.peak(_dtype_name(q.dtype)) * hw.eff("attention")
+        # a block pair is a (tl x tl) attention, full off the diagonal: its forward kernel's efficiency
+        peak = hw.peak(_dtype_name(q.dtype)) * hw.attention_eff(_dtype_name(q.dtype), seq=tl, head_dim=d)
         compute = block_flops / peak
         kv = 2 * b * hkv_local * tl * d * item
         hop = link.time("send_recv", kv)

@@ -95,7 +95,9 @@ def ep_cost(blocks: list[MoEBlock], mesh: Mapping[str, int], ep_axis: str = "ep"
         m_max = m * imbalance if ep > 1 else m
         sent += m
         flops = 3 * m_max * b.flops_per_row  # forward + backward (2x)
-        expert_s += flops / expert_tp / (hw.peak(_dtype_key(b.dtype)) * hw.eff("matmul"))
+        rows = m_max * ep / max(b.n_experts, 1)  # one expert's rows: its GEMMs' m (small experts run short GEMMs)
+        eff = hw.matmul_eff(_dtype_key(b.dtype), rows, b.hidden, b.hidden)
+        expert_s += flops / expert_tp / (hw.peak(_dtype_key(b.dtype)) * eff)
         pbytes += _expert_param_bytes(b) / ep / expert_tp
         if ep == 1:
             continue

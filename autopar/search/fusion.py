@@ -260,7 +260,8 @@ class _Coster:
         bw = hw.device.memory_bandwidth * hw.eff("memory")
 
         def t(mm: float, oth: float, nbytes: float, launches: int) -> float:
-            return max(mm / peak + oth / vec, nbytes / bw) + launches * hw.kernel_overhead_s
+            floor = launches * hw.kernel_floor("matmul" if mm else "vector")  # as the kept nodes are priced
+            return max(mm / peak + oth / vec, nbytes / bw, floor) + launches * hw.kernel_overhead_s
 
         if m.kernel == "bias_gelu" and backward and self.needs_grad(m.args[1]):
             # the bias-free matmul no longer reduces the output gradient into the bias gradient

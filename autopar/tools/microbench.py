@@ -10,6 +10,14 @@
   run_collective(item, group)    time one collective on a process group (max over its ranks)
   predicted_seconds(item, hw)    what the cost model's roofline says the item takes on `hw`,
                                  with the same formula `autopar.cost.estimate` uses per node
+                                 (the profile's compute table by shape, its floors)
+  measured_efficiencies(items, hw)  the GEMM and attention efficiencies the items reached and
+                                 the matmul floor they show: what `autopar tune` refits the
+                                 profile's compute table with
+
+On a GPU the matmul items span small (256^2..1024^2, launch-bound), medium and large GEMMs and
+the shapes of a transformer layer; attention spans seq 512 / 2048 / 8192 at head_dim 64 and
+128, causal and not: the axes of the compute table (autopar/cost/compute_tables.py).
 
 Every item is a plain dict (JSON-ready) that gets a "seconds" entry when measured. Payloads
 follow `autopar.cost.comm`: the tensor handed to the collective on one rank (all-gather: the
@@ -30,8 +38,7 @@ import torch.nn.functional as F
 
 from autopar.cost import Hardware
 from autopar.cost.comm import collective_time
-from autopar.cost.estimate import NodeTimer
-from autopar.cost.ops import OpCost
+from autopar.cost.node_time import NodeTimer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -42,7 +49,7 @@ def compute_suite(device: str, quick: bool) -> list[dict[str, Any]]:
     """The compute items for a device ("cpu" or "cuda"); `quick` keeps CPU runs to seconds."""
     gpu = device == "cuda"
     items: list[dict[str, Any]] = []
-    sizes = [1024, 2048, 4096, 8192] if gpu else ([64, 128, 256, 384] if quick else [64, 128, 256, 512, 1024])
+    sizes = [256, 512, 1024, 2048, 4096, 8192] if gpu else ([64, 128, 256, 384] if quick else [64, 128, 256, 512, 1024])
     dtypes = ["bf16", "fp16", "fp32"] if gpu else ["fp32", "bf16"]
     for dt in dtypes:
         slow = not gpu and dt != "fp32"  # CPU half precision runs ~50x slower without AMX: keep it small
@@ -54,9 +61,12 @@ def compute_suite(device: str, quick: bool) -> list[dict[str, Any]]:
         for m, k, n in ([(8192, 4096, 4096), (8192, 4096, 14336)] if gpu else [(256, 64, 64), (256, 64, 128),
                                                                                (512, 128, 512)]):
             items.append({"kind": "matmul", "dtype": dt, "shape": [m, k, n]})
-    for b, h, s, d in ([(4, 32, 2048, 128), (1, 32, 8192, 128)] if gpu else [(8, 4, 32, 16), (4, 4, 128, 32),
-                                                                            (2, 8, 256, 64)]):
-        items.append({"kind": "attention", "dtype": "bf16" if gpu else "fp32", "shape": [b, h, s, d]})
+    att = ([(16, 32, 512, 128), (4, 32, 2048, 128), (1, 32, 8192, 128), (4, 32, 2048, 64), (1, 32, 8192, 64)]
+           if gpu else [(8, 4, 32, 16), (4, 4, 128, 32), (2, 8, 256, 64)])
+    for causal in (True, False):
+        for b, h, s, d in (att if causal or gpu else att[-1:]):
+            items.append({"kind": "attention", "dtype": "bf16" if gpu else "fp32", "shape": [b, h, s, d],
+                          "causal": causal})
     numels = [2**20, 2**24, 2**27] if gpu else ([2**12, 2**16, 2**20, 2**22] if quick else
                                                 [2**12, 2**16, 2**20, 2**23])
     for n in numels:
@@ -122,7 +132,8 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
     elif kind == "attention":
         b, h, s, d = item["shape"]
         q, k_, v = (torch.randn(b, h, s, d, device=device, dtype=dt) for _ in range(3))
-        fn = lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True)  # noqa: E731
+        causal = bool(item.get("causal", True))
+        fn = lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=causal)  # noqa: E731
         out.update(flops=4.0 * b * h * s * s * d, bytes=float(4 * b * h * s * d * q.element_size()))
     elif kind in ("vector", "memory", "launch"):
         x = torch.randn(item["numel"], device=device, dtype=dt)
@@ -208,15 +219,57 @@ def predicted_seconds(item: dict[str, Any], hw: Hardware, *, link=None) -> float
             if item["op"] != "all_reduce" else link.time("all_reduce", item["payload"], "auto")
     timer = NodeTimer(hw, {})
     if kind == "matmul":
-        c = OpCost(kind="matmul", dtype=item["dtype"])
-        return timer._t(c, item["flops"], 0.0, item["bytes"], 1)
+        m, k, n = item["shape"]
+        return timer.seconds("matmul", item["dtype"], item["flops"], 0.0, item["bytes"], shape=(m, n, k))
     if kind == "attention":
-        c = OpCost(kind="attention", dtype=item["dtype"], causal_fraction=0.5)
-        return timer._t(c, item["flops"], 0.0, item["bytes"], 1)
+        _b, _h, s, d = item["shape"]
+        return timer.seconds("attention", item["dtype"], item["flops"], 0.0, item["bytes"], shape=(s, d),
+                             causal_fraction=0.5 if item.get("causal", True) else 1.0)
     if kind in ("vector", "memory", "launch"):
-        return timer._t(OpCost(kind="vector"), 0.0, item["flops"], item["bytes"], 1)
+        return timer.seconds("vector", item["dtype"], 0.0, item["flops"], item["bytes"])
     if kind == "host_copy":
         return item["bytes"] / hw.host_bandwidth
     if kind == "host_step":
         return item["bytes"] / hw.host_memory_bandwidth
     raise ValueError(f"unknown microbenchmark kind {kind!r}")
+
+
+def measured_efficiencies(items: list[dict[str, Any]], hw: Hardware) -> dict[str, Any]:
+    """What measured compute items say about `hw`'s compute table: {"matmul": [(dtype, (m, n, k),
+    efficiency)], "attention": [(seq, head_dim, causal, forward efficiency)], "matmul_floor_s":
+    seconds or None}. Efficiency = FLOPs (causal: half) / (peak x (seconds - kernel overhead)),
+    from items the model calls compute-bound (memory time under half the measured) and off the
+    floor (over twice the table's floor); the floor is the fastest GEMM of at most 2 x 512^3
+    FLOPs, less the overhead. The efficiency is the one with which the node formula (roofline +
+    overhead) reproduces the measured time; on a GPU, where launches hide behind kernels of
+    tens of microseconds, it lies above the kernel's own rate for such kernels (H100, bf16
+    2048^3: 0.93 against the 0.69 that CUDA events give) and `autopar tune`'s step fit of the
+    overhead settles the difference."""
+    over = hw.kernel_overhead_s
+    floor = hw.kernel_floor("matmul")
+    mem_bw = hw.device.memory_bandwidth * hw.eff("memory")
+    out: dict[str, Any] = {"matmul": [], "attention": [], "matmul_floor_s": None}
+    small = [it["seconds"] for it in items if it["kind"] == "matmul" and it["flops"] <= 2 * 512**3]
+    if small:
+        out["matmul_floor_s"] = max(0.0, min(small) - over)
+    for it in items:
+        if it["kind"] not in ("matmul", "attention") or it.get("seconds") is None:
+            continue
+        busy = it["seconds"] - over
+        if busy <= 2 * floor or busy <= 0 or it["bytes"] / mem_bw > 0.5 * busy:
+            continue
+        if it["kind"] == "attention" and hw.compute is not None and it["dtype"] not in hw.compute.attention_dtypes:
+            continue
+        try:
+            peak = hw.peak(it["dtype"])
+        except ValueError:
+            continue
+        if it["kind"] == "matmul":
+            m, k, n = it["shape"]
+            out["matmul"].append((hw.fp32_matmul if it["dtype"] == "fp32" else it["dtype"], (m, n, k),
+                                  it["flops"] / (peak * busy)))
+        else:
+            _b, _h, s, d = it["shape"]
+            causal = bool(it.get("causal", True))
+            out["attention"].append((s, d, causal, it["flops"] * (0.5 if causal else 1.0) / (peak * busy)))
+    return out

@@ -13,7 +13,12 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
                 (raised where the machine beat the datasheet), intra-node link (latency and
                 bandwidth, least squares on the alpha-beta formula of `autopar.cost.comm`),
                 host link and host memory bandwidth (offload) and kernel overhead replaced by
-                what was measured
+                what was measured; where the base has a compute table (GEMM efficiency by
+                shape, attention by seq / head_dim / causal, kernel floors), its rows are
+                refitted: measured shapes replace their rows, the others scale by the
+                measured / tabled ratio (`autopar.cost.compute_tables.refit_*`), and the
+                matmul floor becomes the fastest small GEMM's time. A base without a table
+                (cpu-gloo, hand-written profiles) keeps the flat factors alone.
   3. plan       candidates/c*.json: the best `top` plans under the fitted profile
                 (`autopar.tools.planning.plan_model`)
   4. run        (launched world, "candidates") runs/c*.json: each plan for warm-up + timed
@@ -46,8 +51,9 @@ import numpy as np
 
 from autopar.cost import Hardware, load_profile
 from autopar.cost.comm import axis_links, bytes_sent, steps as comm_steps
+from autopar.cost.compute_tables import refit_attention, refit_matmul
 from autopar.cost.hardware import from_dict
-from autopar.tools.microbench import COLLECTIVE_OPS, default_message_sizes, predicted_seconds
+from autopar.tools.microbench import COLLECTIVE_OPS, default_message_sizes, measured_efficiencies, predicted_seconds
 from autopar.passes.plan import Plan
 
 STATE = "tune_state.json"
@@ -173,6 +179,8 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
     if launch:
         d["kernel_overhead_s"] = float(min(c["seconds"] for c in launch))
         fits["kernel launch"] = {"seconds": d["kernel_overhead_s"]}
+    if base.compute is not None:
+        fit_compute_table(d, compute, fits)
     # intra-node link: t = steps * alpha + sent / beta (ring formulas), over every op and size
     intra = [c for c in colls if not _spans_nodes(c, base)]
     if intra:
@@ -189,6 +197,19 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
     d["description"] = f"{base.name} fitted by autopar tune to measurements on this machine"
     d["calibration"] = {"source": "autopar tune", "base": base.name, "fits": fits}
     return from_dict(d), fits
+
+
+def fit_compute_table(d: dict, compute: list[dict], fits: dict) -> None:
+    """Refit profile dict `d`'s compute table (at its fitted peaks and overhead) to the measured
+    `compute` items, in place; what moved goes into `fits["compute table"]`."""
+    interim = from_dict(d)
+    got = measured_efficiencies(compute, interim)
+    table = refit_attention(refit_matmul(interim.compute, got["matmul"]), got["attention"])
+    if got["matmul_floor_s"] is not None:
+        table = table.with_floor(matmul=got["matmul_floor_s"])
+    d["compute"] = table.to_dict()
+    fits["compute table"] = {"matmul shapes": len(got["matmul"]), "attention shapes": len(got["attention"]),
+                             "matmul floor_s": got["matmul_floor_s"]}
 
 
 def _spans_nodes(c: dict, hw: Hardware) -> bool:
@@ -414,6 +435,8 @@ def _fit_line(k: str, v: dict) -> str:
         return f"link {v['rate'] / 1e9:.3g} GB/s, {v['latency'] * 1e6:.3g} us"
     if k == "kernel launch":
         return f"launch {v['seconds'] * 1e6:.3g} us"
+    if k == "compute table":
+        return f"compute table refitted ({v['matmul shapes']} GEMM, {v['attention shapes']} attention shapes)"
     return k
 
 
