@@ -44,8 +44,11 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   count is its own).
   Pins: ZeRO 2 (the paper's FSDP shards optimizer states and gradients but does not reshard
   parameters after forward), micro-batches = batch/DP (micro-batch 1), interleaved_1f1b (the
-  paper's schedule is interleaved; autopar's has 2 virtual stages per rank,
-  `cost.schedule.SCHEDULE_VIRTUAL`, not a pin), recompute left to the planner (not published).
+  paper's schedule is interleaved), recompute left to the planner (not published). The
+  number of virtual stages per rank is not in the sources above: the planner searches it
+  (`candidate.virtual_choices`: 2, 3, 4 or 8 for 128 units on 16 ranks) unless
+  `--pp-virtual V` pins it (the "pp_virtual" pin; a Row's `vpp` pins it for a source that
+  gives it).
   The CP16 row is "not costed": `plan_for` has no cp axis to pin (pins are tp/pp/dp/ep) and
   `cost.estimate` prices cp but costs pipeline stages as one stage, so PP16 x CP16 cannot be
   priced through the public API.
@@ -156,6 +159,7 @@ class Row:
     memory_gb: float | None = None  # device memory of the published run when it differs from the profile's
     not_costed: str | None = None  # why the published plan cannot be priced through the API
     cp: int = 1  # context-parallel degree of the published plan
+    vpp: int | None = None  # published virtual stages per pipeline rank (interleaved_1f1b), if given
 
 
 def _mega(key, h, a, L, tp, pp, batch, t):
@@ -270,10 +274,21 @@ def published_label(row: Row) -> str:
             + f" Z{p['zero_stage']} mb{p['n_microbatches']}" + (f" {p['schedule']}" if "schedule" in p else ""))
 
 
-def cost_row(row: Row, planner: bool = True) -> dict[str, Any]:
+def row_pins(row: Row, pp_virtual: int | None = None) -> dict[str, Any]:
+    """The row's published plan as planner pins; `pp_virtual` (else the row's own `vpp`) pins
+    the virtual stages per rank of an interleaved schedule (otherwise the planner searches it)."""
+    pins = dict(row.pins)
+    v = pp_virtual or row.vpp
+    if v and pins.get("schedule") == "interleaved_1f1b":
+        pins["pp_virtual"] = v
+    return pins
+
+
+def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None) -> dict[str, Any]:
     """Cost the row's published plan (and, with `planner`, plan it freely). Returns a dict:
     predicted, published, error (predicted / published - 1), plan (the pinned Plan), and
-    planner_plan / planner_figure when planned; `not_costed` with the reason instead."""
+    planner_plan / planner_figure when planned; `not_costed` with the reason instead.
+    `pp_virtual`: the interleaved rows' virtual stages per rank (`row_pins`)."""
     from autopar.search.planner import plan_for
 
     t0 = time.perf_counter()
@@ -284,7 +299,7 @@ def cost_row(row: Row, planner: bool = True) -> dict[str, Any]:
     gm = build_and_capture(row)
     hw = hardware(row)
     limit = 0.9 * row.memory_gb * 2**30 if row.memory_gb else None
-    pinned = dict(pins=row.pins, global_batch=row.global_batch, allow=ALLOW, top_k=1, precision={"offload": False})
+    pinned = dict(pins=row_pins(row, pp_virtual), global_batch=row.global_batch, allow=ALLOW, top_k=1, precision={"offload": False})
     try:
         plan, _ = plan_for(gm, row.gpus, hw, memory_limit=limit, **pinned)
     except ValueError as e:
@@ -355,13 +370,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(ROWS), action="append", help="run only this row (repeatable)")
     ap.add_argument("--no-planner", action="store_true", help="cost the published plans only")
+    ap.add_argument("--pp-virtual", type=int, default=None, metavar="V",
+                    help="pin the virtual stages per rank of the interleaved rows (default: searched)")
     a = ap.parse_args(argv)
     print(f"torch {torch.__version__}; error = predicted / published - 1")
     results = []
     for key, row in ROWS.items():
         if a.only and key not in a.only:
             continue
-        results.append(cost_row(row, planner=not a.no_planner))
+        results.append(cost_row(row, planner=not a.no_planner, pp_virtual=a.pp_virtual))
         print(f"  {key}: done in {results[-1]['seconds']:.1f} s", flush=True)
     print_table(results)
 

@@ -1,14 +1,16 @@
 """The discrete choices of a joint plan, their enumeration, and what the cost model predicts.
 
 `Candidate` fixes the mesh (tp x pp x dp, x ep for MoE), the ZeRO stage, the number of
-micro-batches and, with pp > 1, the pipeline schedule (and through it the virtual stages per
-rank, `SCHEDULE_VIRTUAL`); the continuous choices (every node's sharding, split points,
+micro-batches and, with pp > 1, the pipeline schedule and its virtual stages per rank (`vpp`:
+searched for interleaved_1f1b, `virtual_choices`; fixed by the schedule otherwise,
+`SCHEDULE_VIRTUAL`); the continuous choices (every node's sharding, split points,
 recompute) are solved inside `plan_cost.PlanCostModel.evaluate`, whose answer is an
 `Evaluation`. `candidates(model, world, pins, support)` lists every candidate the pins, the
 mesh and the model allow: tp at most the GPUs of a node, pp at most the pipeline units, dp x ep
 x micro-batches dividing the global batch, ZeRO 1-3 only with dp > 1, interleaved schedules
 only with micro-batches divisible by pp, searched schedules `SEARCHED_SCHEDULES` (gpipe only
-when pinned).
+when pinned), interleaved_1f1b with every v of `virtual_choices` up to the first whose ideal
+bubble (p - 1) / (v m) is under 1 % (or the "pp_virtual" pin).
 
 `plain(x)`: numpy numbers and arrays as Python ones, tuples as lists (what json writes and reads
 back unchanged), for every report the search keeps.
@@ -23,7 +25,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch.fx as fx
 
-__all__ = ["Candidate", "Evaluation", "SCHEDULE_VIRTUAL", "SEARCHED_SCHEDULES", "candidates", "plain"]
+__all__ = ["Candidate", "Evaluation", "SCHEDULE_VIRTUAL", "SEARCHED_SCHEDULES", "candidates", "plain",
+           "virtual_choices"]
 
 SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 SCHEDULE_VIRTUAL = {"1f1b": 1, "gpipe": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
@@ -41,6 +44,7 @@ class Candidate:
     zero: int = 0
     micro: int = 1  # micro-batches per step
     schedule: str = "none"  # pipeline schedule ("none" when pp == 1)
+    vpp: int = 0  # stages per pipeline rank for interleaved_1f1b (0: the schedule's default)
 
     @property
     def world(self) -> int:
@@ -48,7 +52,11 @@ class Candidate:
 
     @property
     def virtual(self) -> int:
-        return SCHEDULE_VIRTUAL.get(self.schedule, 1) if self.pp > 1 else 1
+        if self.pp == 1:
+            return 1
+        if self.vpp > 0 and self.schedule == "interleaved_1f1b":
+            return self.vpp
+        return SCHEDULE_VIRTUAL.get(self.schedule, 1)
 
     @property
     def n_stages(self) -> int:
@@ -71,7 +79,7 @@ class Candidate:
         parts.append(f"ZeRO-{self.zero}")
         parts.append(f"{self.micro} micro-batch{'es' if self.micro > 1 else ''}")
         if self.pp > 1:
-            parts.append(self.schedule)
+            parts.append(self.schedule + (f"(v={self.virtual})" if self.schedule == "interleaved_1f1b" else ""))
         return " ".join(parts)
 
 
@@ -140,9 +148,37 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def virtual_choices(n_units: int, pp: int, n_blocks: int = 0) -> list[int]:
+    """The stages per rank (v >= 2) the search tries for interleaved_1f1b on `pp` ranks and a
+    chain of `n_units` pipeline units, `n_blocks` of them repeated blocks: for every k, the
+    least v whose stages need at most k units each (v = ceil(n_units / (pp k))): a larger v
+    with the same longest stage does the same work per stage in more, smaller slices (more
+    point-to-point hops and activations in flight) for a bubble no smaller per stage time;
+    plus every v that splits the blocks evenly (n_blocks divisible by pp x v, Megatron's
+    split). At most about 2 sqrt(n_units / pp) + divisors values; each stage has >= 1 unit."""
+    top = n_units // pp
+    if pp < 2 or top < 2:
+        return []
+    out = {max(2, min(top, -(-n_units // (pp * k)))) for k in range(1, -(-n_units // (2 * pp)) + 1)}
+    if n_blocks and n_blocks % pp == 0:
+        out |= {v for v in range(2, top + 1) if (n_blocks // pp) % v == 0}
+    return sorted(out)
+
+
+def _few_bubbles(vs: list[int], p: int, m: int) -> list[int]:
+    """`vs` up to the first v whose ideal interleaved bubble, (p - 1) / (v m) of the step, is
+    under 1 %: a deeper interleave could save less than that and adds point-to-point hops."""
+    out = []
+    for v in vs:
+        out.append(v)
+        if (p - 1) / (v * m) < 0.01:
+            break
+    return out
+
+
 def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping[str, bool]) -> list[Candidate]:
     """Every candidate of the outer search that the pins, the mesh and the model allow.
-    `model`: the `plan_cost.PlanCostModel` (its tables: hw, L, global_batch, has_moe,
+    `model`: the `plan_cost.PlanCostModel` (its tables: hw, L, blocks, global_batch, has_moe,
     n_experts, gm); `support`: the planner's RUNTIME_SUPPORT flags."""
     hw = model.hw
     L = model.L
@@ -154,6 +190,7 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
     # PipelineProgram sums a tied weight's stage gradients on .grad, which neither ZeRO 1-3 nor
     # 16-bit parameters (masters elsewhere) keep: such pipelines are not planned
     sixteen = (getattr(model, "precision", None) or {}).get("param_dtype") in ("bf16", "fp16")
+    n_blocks = int(np.count_nonzero(np.asarray(getattr(model, "blocks", ())) > 0))
     out = []
     for t in _divisors(world):
         if t > hw.gpus_per_node and "tp" not in pins:
@@ -172,19 +209,24 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
                 for m in _divisors(rows):
                     for sched in (["none"] if p == 1 else
                                   ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
-                        c0 = Candidate(t, p, d, e, 0, m, sched)
-                        if c0.n_stages > L:
-                            continue
-                        if c0.virtual > 1 and m % p:
-                            continue
-                        if p > 1 and m < p and sched != "1f1b":
-                            continue  # fewer micro-batches than ranks: 1F1B is as good as any
-                        for z in zeros:
-                            if p > 1 and tied and (z or sixteen) and not support.get("zero_with_tied_pp"):
+                        vs = [0]
+                        if sched == "interleaved_1f1b":
+                            vs = [pins["pp_virtual"]] if "pp_virtual" in pins else \
+                                _few_bubbles(virtual_choices(L, p, n_blocks), p, m)
+                        for v in vs:
+                            c0 = Candidate(t, p, d, e, 0, m, sched, v)
+                            if c0.n_stages > L or v == 1:
                                 continue
-                            c = replace(c0, zero=z)
-                            if _matches(c, pins):
-                                out.append(c)
+                            if c0.virtual > 1 and m % p:
+                                continue
+                            if p > 1 and m < p and sched != "1f1b":
+                                continue  # fewer micro-batches than ranks: 1F1B is as good as any
+                            for z in zeros:
+                                if p > 1 and tied and (z or sixteen) and not support.get("zero_with_tied_pp"):
+                                    continue
+                                c = replace(c0, zero=z)
+                                if _matches(c, pins):
+                                    out.append(c)
     return out
 
 
@@ -194,6 +236,8 @@ def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:
         if k in pins and pins[k] != v:
             return False
     if "schedule" in pins and c.pp > 1 and pins["schedule"].lower().replace("-", "_") != c.schedule:
+        return False
+    if "pp_virtual" in pins and c.pp > 1 and c.virtual != pins["pp_virtual"]:
         return False
     sp = pins.get("split_points")
     if sp and c.n_stages < len(sp) + 1:

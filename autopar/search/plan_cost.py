@@ -18,9 +18,12 @@ For a candidate:
            times (`search.plan_split`). A stage's time includes the recomputation it needs to
            fit its memory: whole blocks (`layers.N`) fully recomputed, as few as fit, the blocks
            that free most memory per second of recomputation. With one stage per rank the
-           stage's memory is the rank's (exact); with v per rank each stage gets 1/v of the
-           device in the DP (sufficient), the recompute is then chosen per rank against the sum
-           of its stages' in-flight activations, and the schedule walk below has the last word.
+           stage's memory is the rank's (exact); with v per rank (interleaved_1f1b: v searched,
+           `candidate.virtual_choices`) each stage gets its share of the rank in the DP
+           (`search.stage_memory.stage_budgets`: first its share in the time-balanced split,
+           walked, which admits an even split that fits, then shares summing to the rank's
+           limit), the recompute
+           is chosen per rank against the schedule walk, and the walk below has the last word.
   time     pp = 1: m (F + B). pp > 1: the schedule's simulator (`cost.schedule.simulate`)
            with per-stage F, B and point-to-point times. Then per rank: gradient
            synchronisation over dp per unit in backward order, overlapped with the last
@@ -70,6 +73,7 @@ from autopar.search.expert import ep_cost
 from autopar.search.plan_split import INF, SplitChain, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
 from autopar.search.shard_tables import ShardInfo
+from autopar.search.stage_memory import choose_recompute, fit_recompute, freed_bytes, stage_budgets
 
 __all__ = ["Candidate", "Evaluation", "PlanCostModel", "ShardInfo"]
 
@@ -106,14 +110,16 @@ class PlanCostModel(PlanTables):
         opt_tot = self._opt_time((st.total["master"] + st.total["optimizer"]) / t, st.total["params"] / t,
                                  st.total["grads"] / t, c, *self._offload_totals(st, t))
         u1 = self.units(1, rows)
-        act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1)
+        act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1, recompute)
         return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, sum(st.total.values()) / t * (1 - 1e-3), act)
 
-    def _inputs_floor(self, c: Candidate, u: UnitCosts) -> float:
+    def _inputs_floor(self, c: Candidate, u: UnitCosts, recompute: bool) -> float:
         """Every stage but the first keeps its input (the activation crossing its first
-        boundary) for each micro-batch in flight: at least the smallest boundary each."""
+        boundary) for each micro-batch in flight: at least the smallest boundary each; none
+        apart where recompute may run (a stage's recomputed first block keeps only that input,
+        which `_act_floor` already counts)."""
         S = c.n_stages
-        return (S - 1) * float(u.cross.min()) if S > 1 and len(u.cross) else 0.0
+        return (S - 1) * float(u.cross.min()) if S > 1 and len(u.cross) and not recompute else 0.0
 
     def _act_floor(self, u: UnitCosts, div: int, recompute: bool) -> float:
         """The least activation bytes one micro-batch keeps over all units: a recomputed block
@@ -137,7 +143,7 @@ class PlanCostModel(PlanTables):
         f, b = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
         opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c,
                                  *self._offload_totals(st))
-        act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u)
+        act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u, recompute)
         z3 = 2 * c.dp * float(st.gather.max()) if c.zero == 3 and c.dp > 1 else 0.0
         fixed = self.workspace(c.tp, rows) + z3  # every rank's peak has these on top
         return self._time_bound(c, f, b, opt_tot, st), self._mem_bound(c, sum(st.total.values()), act) + fixed
@@ -229,6 +235,14 @@ class PlanCostModel(PlanTables):
         return (fwd - expert_f + share * (a2a / 2 + comp / 3),
                 bwd - expert_b + share * (a2a / 2 + 2 * comp / 3))
 
+    def schedule(self, c: Candidate):
+        """The step's schedule of `c` (v stages per rank for interleaved_1f1b), memoised."""
+        key = (c.schedule, c.pp, c.micro, c.virtual)
+        hit = self._scheds.get(key)
+        if hit is None:
+            hit = self._scheds[key] = small_schedule.__wrapped__(c.schedule, c.pp, c.micro, c.virtual)
+        return hit
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, c: Candidate, limit: float, *, pins: Sequence[str] = (), recompute: Any = "auto",
                  minimise: str = "time", cutoff: float | None = None) -> Evaluation:
@@ -279,43 +293,49 @@ class PlanCostModel(PlanTables):
         hop = np.array([pp_link.time("send_recv", float(x)) if pp_link is not None and x > 0 else 0.0
                         for x in u.cross]) if S > 1 else np.zeros(max(L - 1, 0))
         rc_pin = self._recompute_pins(recompute)
-        # with v stages on a rank each gets 1/v of what the working set leaves (sufficient for the
-        # rank; the recompute below is chosen per rank and the schedule walk has the last word);
-        # with one stage per rank the check is exact
-        stage_limit = [(limit - fixed) / v + fixed] * S
-        chain = SplitChain(F_u, B_u, u.act, u.cross, hop, u.rc_save, u.rc_time, self.blocks, st, trans_u, fixed, rc_pin)
+        rc_ok = float(recompute != "none")  # the split DP counts on recompute only where it may run
+        chain = SplitChain(F_u, B_u, u.act, u.cross, hop, u.rc_save * rc_ok, u.rc_time, self.blocks, st, trans_u, fixed,
+                           rc_pin)
         pin_idx = sorted(self.unit_names.index(p) for p in pins)
-        if S == 1:
-            starts = [0]
-        else:
-            starts = chain.split(S, k_s, s2r, stage_limit, pin_idx, minimise, limit / v)
+        small = small_schedule(c.schedule, c.pp, c.micro if c.schedule == "gpipe" else min(c.micro, 2 * c.pp), v) \
+            if c.pp > 1 else None
+        # v stages on a rank: first each stage's share of its rank in the time-balanced split,
+        # walked (admits an even split that fits), checked by the walk; then shares that sum to
+        # the rank's limit (sufficient) (`search.stage_memory`). One stage per rank: exact.
+        for mode in (("walk", "sum") if v > 1 and minimise == "time" else ("sum",)):
+            stage_limit, opt_limit = stage_budgets(chain, k_s, s2r, limit, fixed, mode, small, pin_idx)
+            starts = [0] if S == 1 else chain.split(S, k_s, s2r, stage_limit, pin_idx, minimise, opt_limit)
             if starts is None and cutoff is not None and v == 1 and exact_k:  # exact here: nothing fits
                 lb_m = self.lower_bounds(c, recompute != "none")[1]
                 return Evaluation(candidate=c, step_s=INF, peak_bytes=max(lb_m, limit * (1 + 1e-6)), limit_bytes=limit,
                                   memory={"peak": lb_m, "limit": limit}, compute_s=0.0, bubble=0.0, recompute_s=0.0,
                                   optimizer_s=0.0, comm={}, flops=0.0, mfu=0.0, tokens_per_s=0.0, rows_per_micro=rows,
                                   notes=["no split fits the memory limit (peak: a lower bound)"])
+            if starts is None and mode == "walk":
+                continue
             if starts is None:  # nothing fits: the split that needs the least memory, for the report
-                starts = chain.split(S, k_s, s2r, stage_limit, pin_idx, "memory", limit / v)
-        ends = starts[1:] + [L]
-        # recompute, as little as fits: with one stage per rank per stage (its memory is the
-        # rank's); with several per rank over the rank's blocks together, against the rank's
-        # sum of in-flight activations (an upper bound of what its schedule holds)
-        base_a = [float(u.act[starts[s]:ends[s]].sum()) + (float(u.cross[starts[s] - 1]) if starts[s] > 0 else 0.0)
-                  for s in range(S)]
-        base_st = [chain.states_range(starts[s], ends[s]) for s in range(S)]
-        groups = [[s] for s in range(S)] if v == 1 else [[s for s in range(S) if s2r[s] == r] for r in range(P)]
-        chosen_all: set[int] = set()
-        for g in groups:
-            excess = sum(base_st[s] + k_s[s] * base_a[s] for s in g) + fixed - (stage_limit[g[0]] if v == 1 else limit)
-            blocks = [(x, float(k_s[s])) for s in g for x in range(starts[s], ends[s])]
-            chosen_all |= set(self._choose_recompute(blocks, u, excess, rc_pin, recompute, minimise))
+                starts = chain.split(S, k_s, s2r, stage_limit, pin_idx, "memory", opt_limit)
+            ends = starts[1:] + [L]
+            base_a = [float(u.act[starts[s]:ends[s]].sum()) + (float(u.cross[starts[s] - 1]) if starts[s] > 0 else 0.0)
+                      for s in range(S)]
+            base_st = [chain.states_range(starts[s], ends[s]) for s in range(S)]
+            if v > 1:  # recompute per rank against its schedule walk
+                chosen_all, fits = fit_recompute(small, starts, ends, base_st, base_a, k_s, u, self.blocks, chain,
+                                                 trans_u, fixed, limit, rc_pin, recompute, minimise)
+                if fits or mode == "sum":
+                    break
+                continue
+            chosen_all = set()  # one stage per rank: as little recompute as fits the stage
+            for s in range(S):
+                excess = base_st[s] + k_s[s] * base_a[s] + fixed - stage_limit[s]
+                blocks = [(x, float(k_s[s])) for x in range(starts[s], ends[s])]
+                chosen_all |= set(choose_recompute(blocks, u, self.blocks, excess, rc_pin, recompute, minimise))
         rc_units: dict[str, str] = {}
         F_s, B_s, act_s, states_s, cats_s, rc_s = [], [], [], [], [], []
         for s in range(S):
             i, j = starts[s], ends[s]
             chosen = [x for x in range(i, j) if x in chosen_all]
-            saved = sum(u.rc_save[x] for x in chosen)
+            saved = freed_bytes(u, chosen_all, i, j)
             rtime = sum(u.rc_time[x] for x in chosen)
             for x in chosen:
                 rc_units[self.unit_names[x]] = "full"
@@ -341,8 +361,6 @@ class PlanCostModel(PlanTables):
         # warm-up), which decides most plans that do not fit without building the step's
         # schedule; then the split's time bound; only then the step's schedule
         if c.pp > 1 and cutoff is not None and minimise == "time":
-            small = small_schedule(c.schedule, c.pp, c.micro if c.schedule == "gpipe" else min(c.micro, 2 * c.pp),
-                                    v)
             held_small = held_peaks(small, act_s)
             worst = max(st_r[r] + held_small[r] + fixed for r in range(P))
             if worst > limit * (1 + 1e-9):
@@ -420,7 +438,11 @@ class PlanCostModel(PlanTables):
         leaving it, around its m micro-batches."""
         m = c.micro
         lb = max(m * sum(F_s[s] + B_s[s] for s in mine) + opt_r[r] for r, mine in enumerate(stages_of))
-        if c.virtual == 1:
+        if c.schedule == "interleaved_1f1b":  # rank r starts with F(r, 0) and ends with B(r, m - 1)
+            for r, mine in enumerate(stages_of):
+                pre_f, pre_b = sum(F_s[:r]), sum(B_s[:r])
+                lb = max(lb, pre_f + m * sum(F_s[s] + B_s[s] for s in mine) + max(opt_r[r], pre_b))
+        elif c.virtual == 1:
             beta = 1.0 if c.schedule in ("1f1b", "gpipe") else 0.0
             pre_f = pre_b = 0.0
             for s in range(len(F_s)):
@@ -504,31 +526,6 @@ class PlanCostModel(PlanTables):
                 raise ValueError(f"recompute pins {bad} are not units of this model; units: {self.unit_names[:6]} ...")
             return {idx[k]: v == "full" for k, v in recompute.items()}
         return None
-
-    def _choose_recompute(self, blocks: list[tuple[int, float]], u: UnitCosts, excess: float, rc_pin, recompute,
-                          minimise: str) -> list[int]:
-        """Units to recompute among `blocks` ((unit, micro-batches its stage holds at once)):
-        pinned ones, then (auto) as few as free `excess` bytes, most bytes per second first;
-        every block when minimising memory."""
-        cands = [(x, k) for x, k in blocks if self.blocks[x] > 0 and u.rc_save[x] > 0]
-        if recompute == "none":
-            return []
-        if recompute == "full" or minimise == "memory":
-            return [x for x, _k in cands]
-        chosen = []
-        if rc_pin is not None:
-            chosen = [x for x, _k in cands if rc_pin.get(x) is True]
-            excess -= sum(k * u.rc_save[x] for x, k in cands if rc_pin.get(x) is True)
-            cands = [(x, k) for x, k in cands if x not in rc_pin]
-        if excess <= 0:
-            return chosen
-        cands.sort(key=lambda xk: (-(xk[1] * u.rc_save[xk[0]] / max(u.rc_time[xk[0]], 1e-30)), xk[0]))
-        for x, k in cands:
-            if excess <= 0:
-                break
-            chosen.append(x)
-            excess -= k * u.rc_save[x]
-        return sorted(chosen)
 
     def _zero3_exposed(self, fwd: np.ndarray, bwd: np.ndarray, st: UnitStates, links) -> tuple[np.ndarray, np.ndarray]:
         """ZeRO-3 communication not hidden behind compute, per unit and micro-batch: forward,

@@ -2,7 +2,8 @@
 
 Pins (`PIN_KEYS`): "tp", "pp", "dp", "ep", "mesh" ({axis: size}, merged into the axis pins),
 "zero_stage" (0-3), "n_microbatches", "schedule" (a `cost.schedule.SCHEDULES` name, normalised
-to lower case with underscores), "split_points", "recompute" ("none", "full", "auto" or
+to lower case with underscores), "pp_virtual" (stages per pipeline rank: interleaved_1f1b's v,
+searched otherwise; 2 admits zbv too, 1 the one-stage schedules), "split_points", "recompute" ("none", "full", "auto" or
 {module path: "full" | "none"}), "param_layouts" ({name: Layout, {axis: placement text} or a
 tp placement}: normalised to the tp placement), "bucket_mb", "fusions".
 
@@ -20,8 +21,8 @@ from autopar.cost.schedule import SCHEDULES
 
 __all__ = ["PIN_KEYS", "normalise_pins", "world_size"]
 
-PIN_KEYS = ("tp", "pp", "dp", "ep", "mesh", "zero_stage", "n_microbatches", "schedule", "split_points", "recompute",
-            "param_layouts", "bucket_mb", "fusions")
+PIN_KEYS = ("tp", "pp", "dp", "ep", "mesh", "zero_stage", "n_microbatches", "schedule", "pp_virtual", "split_points",
+            "recompute", "param_layouts", "bucket_mb", "fusions")
 
 
 def world_size(w: int | Mapping[str, int]) -> int:
@@ -51,7 +52,7 @@ def normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
             if a in mesh and a in out and out[a] != mesh[a]:
                 raise ValueError(f"pins say {a}={out[a]} but the mesh says {a}={mesh[a]}")
             out.setdefault(a, int(mesh.get(a, 1)))
-    for a in ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches"):
+    for a in ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches", "pp_virtual"):
         if a in out and (not isinstance(out[a], int) or out[a] < (0 if a == "zero_stage" else 1)):
             raise ValueError(f"pin {a}={out[a]!r} must be a positive integer" + (" (0-3)" if a == "zero_stage" else ""))
     if "zero_stage" in out and out["zero_stage"] not in (0, 1, 2, 3):

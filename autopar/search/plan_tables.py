@@ -460,7 +460,6 @@ class PlanTables:
         z = zero if dp > 1 else 0
         dense = plan_states(reps, self.opt, precision=self.precision, zero_stage=z, dp=dp, rank=0,
                             param_layouts=layouts, mesh=mesh, dp_axis="dp").per_param
-        opt_states = max(self.opt.states, 1)
         per_kind = []
         for p in reps:
             full = dense.get(p.name, {})
@@ -477,7 +476,7 @@ class PlanTables:
             else:
                 gp = ga = 0.0
             # the step's temporary (one per optimizer state element, on the device only)
-            tmp = (float(full.get("optimizer", 0)) / opt_states if self.opt.states and not self.offload else 0.0)
+            tmp = 0.0 if self.offload else self.opt.step_temporary(float(full.get("optimizer", 0)), self.hw.device.kind)
             elems = float(full.get("opt_elems", 0)) if self.offload else 0.0
             mo = float(full.get("master", 0) + full.get("optimizer", 0)) if self.offload else 0.0
             per_kind.append((row, gp, ga, tmp, elems, mo, host))
