@@ -289,8 +289,6 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                          "block it can checkpoint (it would silently recompute nothing); drop memory_budget (and "
                          "plan.recompute), or give the ep ranks to dp with ZeRO-3 to save memory instead")
     if mesh.size("ep") > 1 and "expert" not in plan.extra:
-        if mesh.size("pp") > 1:
-            raise ValueError("expert parallelism with pipeline parallelism is not wired yet; use a mesh without pp")
         from autopar.search.expert import plan_experts  # noqa: PLC0415
 
         plan.extra["expert"] = plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches,
@@ -382,7 +380,7 @@ def _router_stats_without_ep(plan, global_gm, mesh) -> None:
     averaged over the axes that split the tokens, so the auxiliary loss is the global batch's
     (the expert pass does it with ep; `passes/expert.py` reads `plan.extra["router_stats"]`)."""
     axes = [a for a in (plan.dp_axis, "cp") if a and mesh.size(a) > 1]
-    if not axes or "router_stats" in plan.extra or mesh.size("pp") > 1:
+    if not axes or "router_stats" in plan.extra:  # with pp too: the expert pass runs before the stage cut
         return
     if not any(n.op == "call_function" and n.target is torch.ops.aten.topk.default for n in global_gm.graph.nodes):
         return

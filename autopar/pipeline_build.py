@@ -14,7 +14,12 @@ the mesh has a pp axis larger than one:
   3. the cut: the `split_pipeline` pass on this rank's graph, through a PassManager (timed,
      verified, dumped with `AUTOPAR_DUMP`);
   4. the program: `runtime.pipeline_program.PipelineProgram` over this rank's stages, one
-     ZeRO engine per stage, tied weights from the cut.
+     ZeRO engine per stage, tied weights from the cut. With an ep axis the graph it cuts has
+     been through the expert pass already (`passes/expert.py`, on the whole per-rank graph:
+     dispatch, combine, router statistics averaged over dp and ep, gradient scaling of the
+     parameter reads), so each stage's MoE blocks hold this rank's experts and their
+     all-to-alls run over the stage's ep group; the program is told the ep axis and the
+     stage's expert parameters (`gm.meta["autopar_expert"]`) to cut the batch over ep.
 
 Stage graphs of other ranks are returned for dumps with their parameters on the meta
 device, so they hold no memory. `write_schedule_svg(plan, out_dir)` draws the schedule of a
@@ -102,7 +107,7 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
     try:
         gc = analyze(global_gm, hw)
         rows = _global_rows(gc, global_gm)
-        per = plan.dp * plan.n_microbatches
+        per = plan.dp * plan.mesh.get("ep", 1) * plan.n_microbatches  # ep ranks split the batch too
         micro = rows // per if rows and rows % per == 0 else None
         chain = layer_costs(global_gm, hw, gc=gc, microbatch=micro, zero_stage=plan.zero_stage, dp=plan.dp)
     except Exception as e:  # noqa: BLE001 - a graph the cost model cannot cost still gets a split; it is reported
@@ -189,17 +194,26 @@ def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pl
             rpm = PassManager([recompute], dump_dir=dump_dir)
             stage_graphs[s] = rpm.run(stage_graphs[s], sctx, tag=f"rank{rank}_stage{s}_recompute")
             pm.records += rpm.records
+    experts = set((pipe.meta.get("autopar_expert") or {}).get("expert_params", ()))  # the expert pass ran before
     program = PipelineProgram({s: stage_graphs[s] for s in mine}, mesh, n_stages=S, schedule=name,
                               n_microbatches=plan.n_microbatches, pp_axis=PP_AXIS, dp_axis=plan.dp_axis,
                               zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb, tied=info.tied,
                               in_spec=global_gm.meta.get("autopar_in_spec"),
                               out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
-                              engine_options=engine_options)
+                              engine_options=engine_options, ep_axis=_ep_axis(plan, mesh),
+                              expert_params=sorted(n for s in mine for n, _ in stage_graphs[s].named_parameters()
+                                                   if n in experts))
     program.info = info
     if info.tied:
         plan.notes.append("tied weights across stages (one value, gradients summed): "
                           + ", ".join(" = ".join(f"{n}@stage{st}" for st, n in g) for g in info.tied))
     return program, stage_graphs, list(pm.records)
+
+
+def _ep_axis(plan: Plan, mesh: Mesh) -> str | None:
+    """The expert-parallel axis the expert pass split the stages' experts over (None: no ep)."""
+    axis = (plan.extra.get("expert") or {}).get("axis", "ep")
+    return axis if mesh.sizes.get(axis, 1) > 1 and plan.extra.get("expert") else None
 
 
 def _choose_on_rank0(global_gm, plan: Plan, mesh: Mesh, hardware, memory_limit) -> None:

@@ -10,6 +10,16 @@ one data-parallel engine per stage.
     batch on every rank (mean over micro-batches, then over dp). Gradients are left reduced
     over dp by the stage engines, and tied weights (an embedding and an LM head on two
     stages) hold the sum of their stages' gradients.
+  * with an ep axis (expert parallelism inside the stages, `ep_axis`): the dp piece of the
+    batch is cut again in ep pieces, as `runtime.moe.ExpertProgram` cuts it (ep index j takes
+    rows [j * b, (j + 1) * b)); each micro-batch is then a slice of every ep rank's piece, and
+    the stage graphs' all-to-alls and router-statistic all-reduces run over the stage's ep
+    group once per micro-batch (the ep peers of a stage run the same schedule, so their
+    collectives pair up). Gradients leave the stage graphs already averaged over ep
+    (`moe.grad_avg` / `moe.grad_scale` on parameter reads), so the engines reduce over dp
+    only; `expert_params` (different on every ep rank) are marked ep-sharded for the global
+    gradient norm, the other parameters are broadcast from ep index 0 when `sync_init`, and
+    the reported loss is averaged over ep as over dp.
   * `forward(*inputs)` / `__call__` runs the stages in order for inference (no autograd
     across stages): the rank of stage 0 needs the inputs, every pp rank returns the output
     (sent on from the last stage's rank).
@@ -28,7 +38,7 @@ Stage modules take tensors and return a tuple of tensors (the stage GraphModules
 
 It reads and writes no `node.meta` keys (it runs modules; the graphs were cut upstream).
 Counts the pp transfers of the executor and of `forward` in `collectives.COUNTER`
-("send"/"recv" and their "_meta" on the pp axis), and the reported-loss dp all-reduce as
+("send"/"recv" and their "_meta" on the pp axis), and the reported-loss dp (and ep) all-reduce as
 "metric_all_reduce".
 """
 from __future__ import annotations
@@ -72,13 +82,17 @@ class PipelineProgram(nn.Module):
         dp_axis, zero_stage, bucket_mb, engine_options: each stage's `make_engine(...)`.
         tied: groups ((stage_a, name_a), (stage_b, name_b), ...) of one weight held on several stages.
         in_spec, out_spec: pytree specs of the model's inputs (args, kwargs) and outputs.
-        sync_init: broadcast every stage from dp index 0 first.
+        sync_init: broadcast every stage from dp index 0 first (and, with ep, the parameters
+            that are not in `expert_params` from ep index 0).
+        ep_axis, expert_params: the expert-parallel axis (None: none) and the names of this
+            rank's expert parameters (see the module docstring).
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], mesh: Mesh, *, n_stages: int, schedule: str = "1f1b",
                  n_microbatches: int = 1, pp_axis: str = "pp", dp_axis: str | None = "dp", zero_stage: int = 0,
                  bucket_mb: float = 25.0, tied: Sequence[TiedPair] = (), in_spec=None, out_spec=None,
-                 sync_init: bool = True, engine_options: dict | None = None):
+                 sync_init: bool = True, engine_options: dict | None = None, ep_axis: str | None = None,
+                 expert_params: Sequence[str] = ()):
         super().__init__()
         if pp_axis not in mesh.sizes:
             raise ValueError(f"{mesh} has no pipeline axis {pp_axis!r}; build the mesh with autopar.mesh(pp=N, ...)")
@@ -93,6 +107,8 @@ class PipelineProgram(nn.Module):
         self.n_microbatches = n_microbatches
         self.dp_axis = dp_axis if dp_axis in mesh.sizes else None
         self.dp = mesh.size(self.dp_axis) if self.dp_axis else 1
+        self.ep_axis = ep_axis if ep_axis in mesh.sizes and mesh.size(ep_axis) > 1 else None
+        self.ep = mesh.size(self.ep_axis) if self.ep_axis else 1
         self.in_spec, self.out_spec = in_spec, out_spec
         self.tied = [tuple(map(tuple, p)) for p in tied]
         C.set_active_mesh(mesh)
@@ -109,6 +125,12 @@ class PipelineProgram(nn.Module):
             for m in self.stages.values():
                 broadcast_module(m, self.dp_axis)
         opts = dict(engine_options or {})
+        if self.ep_axis:
+            self._sync_ep(expert_params, sync_init)
+            mp = {k: tuple(v) for k, v in (opts.get("model_parallel") or {}).items()}
+            for name in expert_params:  # each ep rank holds other experts: a norm counts them all once
+                mp[name] = tuple(sorted(set(mp.get(name, ())) | {self.ep_axis}))
+            opts["model_parallel"] = mp
         sixteen = opts.get("param_dtype") in (torch.float16, torch.bfloat16)
         if self.tied and (zero_stage != 0 or sixteen):
             why = " and ".join(x for x in (f"ZeRO stage {zero_stage}" if zero_stage else "",
@@ -129,6 +151,17 @@ class PipelineProgram(nn.Module):
         return self.stages
 
     # --- helpers -------------------------------------------------------------------------
+    def _sync_ep(self, expert_params: Sequence[str], sync_init: bool) -> None:
+        """Start the parameters the ep ranks share equal (from ep index 0); the experts differ."""
+        if not (sync_init and dist.is_initialized()):
+            return
+        skip = set(expert_params)
+        with torch.no_grad():
+            for m in self.stages.values():
+                for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+                    if name not in skip:
+                        C.broadcast_(t.data, self.ep_axis, 0)
+
     def _schedule(self, m: int) -> Schedule:
         v = self.n_virtual if self.n_virtual > 1 else None
         sch = make_schedule(self.schedule_name, self.pp, m, v)
@@ -175,23 +208,24 @@ class PipelineProgram(nn.Module):
         return out[0] if len(out) == 1 else tuple(out)
 
     def local_batch(self, batch: Any) -> Any:
-        """This rank's part of a global batch: dim 0 of every tensor split over the dp axis, on
-        the mesh's device."""
+        """This rank's part of a global batch: dim 0 of every tensor split over the dp axis,
+        then over the ep axis (when there is one), on the mesh's device."""
         batch = self.mesh.to_device(batch)
-        if self.dp == 1:
-            return batch
-        idx = self.mesh.local_rank(self.dp_axis)
+        for axis, n in ((self.dp_axis, self.dp), (self.ep_axis, self.ep)):
+            if n > 1:
+                batch = pytree.tree_map(lambda t, axis=axis, n=n: self._piece(t, axis, n), batch)
+        return batch
 
-        def take(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            if t.shape[0] % self.dp:
-                raise ValueError(f"the global batch has {t.shape[0]} rows, which does not divide by "
-                                 f"{self.dp_axis}={self.dp}; use a batch size that is a multiple of {self.dp}")
-            k = t.shape[0] // self.dp
-            return t[idx * k:(idx + 1) * k]
-
-        return pytree.tree_map(take, batch)
+    def _piece(self, t: Any, axis: str, n: int) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % n:
+            whole = "global batch" if axis == self.dp_axis or self.dp == 1 else "data-parallel piece of the batch"
+            raise ValueError(f"the {whole} has {t.shape[0]} rows, which does not divide by {axis}={n}; use a "
+                             f"global batch that is a multiple of {self.dp * self.ep} (dp x ep)")
+        k = t.shape[0] // n
+        idx = self.mesh.local_rank(axis)
+        return t[idx * k:(idx + 1) * k]
 
     # --- training step -------------------------------------------------------------------
     def step(self, batch: Sequence[Any], loss_fn: Callable, n_microbatches: int | None = None) -> torch.Tensor:
@@ -222,11 +256,12 @@ class PipelineProgram(nn.Module):
                 loss = ex.step(mbs, tgts)
         finally:
             ex.loss_fn = self._no_loss
-        if self.dp > 1:
-            loss = loss.clone()
-            C.COUNTER.record("metric_all_reduce", self.dp_axis, loss.numel() * loss.element_size())
-            issue("loss all_reduce", dist.all_reduce, loss, op=dist.ReduceOp.AVG, group=self.mesh.group(self.dp_axis),
-                  axis=self.dp_axis)
+        for axis, n in ((self.dp_axis, self.dp), (self.ep_axis, self.ep)):
+            if n > 1:
+                loss = loss.clone()
+                C.COUNTER.record("metric_all_reduce", axis, loss.numel() * loss.element_size())
+                issue("loss all_reduce", dist.all_reduce, loss, op=dist.ReduceOp.AVG, group=self.mesh.group(axis),
+                      axis=axis)
         return loss
 
     # --- inference -----------------------------------------------------------------------
@@ -258,8 +293,8 @@ class PipelineProgram(nn.Module):
 
     def evaluate(self, batch: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
         """The loss of one global batch without gradients, in the program's mode (`pm.eval()`
-        first), on every rank, averaged over dp as `step` does (`runtime.program.evaluate`)."""
-        return evaluate(self, batch, loss_fn, self.dp_axis)
+        first), on every rank, averaged over dp (and ep) as `step` does (`runtime.program.evaluate`)."""
+        return evaluate(self, batch, loss_fn, self.dp_axis, self.ep_axis)
 
     def _group(self):
         return self.mesh.group(self.pp_axis)

@@ -168,11 +168,6 @@ def _ep_problems(global_gm: fx.GraphModule, ep: int, sizes: Mapping[str, int]) -
             out.append(f"ep={ep} does not divide the {b.n_experts} experts of MoE block {b.module!r}; ep sizes that "
                        f"would: {', '.join(map(str, fit)) or 'none'}")
             break
-    if sizes.get("pp", 1) > 1:
-        out.append(f"ep={ep} with pp={sizes['pp']} is not wired yet: the pipeline cuts the graph into stages before "
-                   "the expert pass runs, and the stage programs have no expert dispatch; keep the experts and drop pp "
-                   "(ep with dp / tp / ZeRO fits models whose experts dominate memory), or keep pp and put the ep "
-                   "ranks on dp or tp (the experts then replicated or tensor-sharded)")
     return out
 
 

@@ -91,7 +91,7 @@ RUNTIME_SUPPORT = {
     "ep": importlib.util.find_spec("autopar.passes.expert") is not None,
     "recompute_with_pp": True,  # pipeline_build runs the recompute pass stage by stage
     "zero_with_tied_pp": False,  # PipelineProgram: tied weights across stages need ZeRO 0
-    "ep_with_pp": False,  # api.parallelize: "expert parallelism with pipeline parallelism is not wired yet"
+    "ep_with_pp": True,  # PipelineProgram splits the batch over dp x ep (tests/dist/test_ep_pipeline.py)
     "recompute_with_ep": False,  # api.parallelize: the recompute search finds no block after the expert pass
 }
 
