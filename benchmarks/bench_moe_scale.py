@@ -24,8 +24,9 @@ from /proc/self/status every 10 ms on a thread: the peak of that phase alone) an
 which includes earlier phases). The reference point is the model itself: its bf16 weights
 (printed in the "weights" column) never exist here.
 
-Columns per (model, GPUs): capture s and its RSS peak, plan s and its RSS peak (the graph is
-still held), the chosen mesh (dp / tp / pp / ep), ZeRO stage, micro-batches, schedule, recomputed
+Columns per (model, GPUs): capture s and its RSS peak, plan s (wall time, with the process's CPU
+seconds and the load average at its start: the CPU seconds hold under load) and its RSS peak (the
+graph is still held), the chosen mesh (dp / tp / pp / ep), ZeRO stage, micro-batches, schedule, recomputed
 units, predicted step time, predicted peak per GPU (of the 90 % limit), tokens/s/GPU and MFU as
 the cost model counts them (its FLOP count of the captured graph: the routed experts' grouped
 matmuls at top-k rows). Then, per model, the search's statistics and the target check (600B-class
@@ -152,13 +153,15 @@ def one(name: str, gpus: list[int], seq: int, batch: int | None) -> None:
         clear_cache()
         out = {"phase": "plan", "model": name, "gpus": n, "batch": rows, "seq": seq}
         with PhasePeak() as ph:
-            t0 = time.perf_counter()
+            t0, c0, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
             try:
                 plan, rep = plan_for(gm, n, hw, global_batch=rows, allow=ALLOW, top_k=3)
             except Exception as e:  # noqa: BLE001 - reported in the table
                 plan, rep = None, None
                 out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
             out["plan_s"] = time.perf_counter() - t0
+            # CPU seconds of this process: what the plan costs on a free core, whatever the load
+            out.update(plan_cpu_s=time.process_time() - c0, load=load)
         out.update(rss_peak=ph.peak, maxrss=maxrss())
         if plan is not None:
             m, p = plan.mesh, plan.predicted
@@ -234,7 +237,8 @@ def main(argv=None) -> int:
             if r["phase"] != "plan":
                 continue
             base = [name, f"{cap['params'] / 1e9:.1f}B", f"{r['gpus']:,}", f"{r['batch']}x{r['seq']}",
-                    f"{cap['capture_s']:.1f}", f"{cap['rss_peak'] / 2**30:.2f}G", f"{r['plan_s']:.1f}",
+                    f"{cap['capture_s']:.1f}", f"{cap['rss_peak'] / 2**30:.2f}G",
+                    f"{r['plan_s']:.1f} ({r.get('plan_cpu_s', 0):.1f} cpu, load {r.get('load', 0):.1f})",
                     f"{r['rss_peak'] / 2**30:.2f}G"]
             if "error" in r:
                 failed += 1
@@ -262,7 +266,8 @@ def main(argv=None) -> int:
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     for x in rows:
         print(" | ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip())
-    print("capture s: model build on meta excluded; RSS: peak VmRSS of the phase (the plan phase still holds the "
+    print("capture s: model build on meta excluded; plan s: wall (CPU seconds of the process, load average at the "
+          "start); RSS: peak VmRSS of the phase (the plan phase still holds the "
           "graph); peak/GPU: predicted peak of the fullest rank / the 90 % limit; MFU and tok/s/GPU as the cost "
           "model counts them")
     for n in notes:

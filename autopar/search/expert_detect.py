@@ -69,7 +69,7 @@ from autopar.search.expert_dense import dense_experts, dense_scatter
 from autopar.search.expert_graph import MoEGraph, same_size as _same, shape_of as _shape, sym as _sym
 from autopar.search.expert_graph import tensorish as _tensorish, val_expr as _val_expr
 from autopar.search.expert_props import base_name as _base
-from autopar.search.expert_props import find_router, param_of, row_wise_failure
+from autopar.search.expert_props import param_of, row_wise_failure
 from autopar.search.expert_reasons import no_moe_reasons  # noqa: F401  (re-exported)
 
 VIEWLIKE = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.unsqueeze", "aten.expand", "aten.slice",
@@ -126,7 +126,7 @@ def dtype_itemsize(dtype: str) -> int:
 # --- detection -----------------------------------------------------------------------------
 def _router(g: MoEGraph, t: fx.Node):
     """(gate linear node, token rows node, E) if topk node `t` selects experts (expert_props)."""
-    return find_router(t)
+    return g.router(t)
 
 
 def _getitem(n: fx.Node, i: int) -> fx.Node | None:
@@ -243,17 +243,24 @@ def _detect_one(g: MoEGraph, t: fx.Node) -> MoEBlock | None:
     N = _shape(t.args[0])[0]
     I = g.closure([idx])
     disp, comb = [], None
+    # after: the nodes computed from a dispatch (not the dispatches themselves, unless computed
+    # from an earlier one), kept up to date along the walk instead of an ancestry walk per op
+    after: set = set()
+    disp_set: set = set()
     for n in g.nodes[g.order[idx]:]:
+        if disp and any(a in after or a in disp_set for a in n.all_input_nodes):
+            after.add(n)
         if n in I or n.op != "call_function":
             continue
         io = _index_of(n)
         if io is None or io[1] not in I:
             continue
         data = io[0]
-        if disp and any(d in g.ancestors(data) for d in disp):
+        if disp and data in after:  # the data is computed from a dispatch: n brings expert rows back
             comb = n
             break
         disp.append(n)
+        disp_set.add(n)
     if not disp or comb is None:
         return _dense(g, t, lin, idx, E, K)
     scatter = [d for d in disp if _base(d) == "aten.index_add"]
@@ -388,7 +395,10 @@ def _sorted(g, t, idx, I, gathers, comb, N, common) -> MoEBlock:
     if x is None:
         raise MoEDetectError(f"{where}: no gather of token rows")
     cdata, cindex = _index_of(comb)
-    region = (g.descendants(list(gathers)) & (g.ancestors(cdata) | {cdata})) - set(gathers)
+    # the nodes between the gathers and cdata: descendants of the gathers up to cdata, then the
+    # ancestors of cdata among them (every path from a descendant to cdata stays among them)
+    below = g.descendants(list(gathers), stop=cdata)
+    region = (g.ancestors(cdata, within=below) | ({cdata} & below)) - set(gathers)
     per_expert = _expert_gathers(g, region, idx, I, E)
     starts = set(gathers) | set(per_expert)
     fills = _identity_fills(region, idx, E)

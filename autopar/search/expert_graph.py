@@ -4,16 +4,22 @@ through tensors, closures and ancestries, and the small shape helpers the walk n
 node's shape as ints or symbol strings, equality of symbolic sizes, a capacity operand as a
 sympy expression).
 
-API: `MoEGraph(gm)`, `shape_of(n)`, `tensorish(n)`, `sym(x)`, `same_size(a, b)`, `val_expr(x)`.
+API: `MoEGraph(gm)` (`closure(seeds)`, `descendants(seeds, stop=None)`, `ancestors(n, within=None)`,
+`router(t)`: walks that cost what they find, not the rest of the graph), `shape_of(n)`,
+`tensorish(n)`, `sym(x)`, `same_size(a, b)` (memoised), `val_expr(x)`.
 Reads node.meta["autopar"] (shapes) and node.meta["val"]; writes nothing.
 """
 from __future__ import annotations
+
+import functools
+import heapq
 
 import sympy
 import torch
 import torch.fx as fx
 
 from autopar.passes import ir
+from autopar.search.expert_props import RouterIndex, find_router
 
 
 def shape_of(n) -> tuple | None:
@@ -49,6 +55,16 @@ def sym(x) -> sympy.Expr:
 def same_size(a, b) -> bool:
     """Whether two sizes (ints or symbol strings) are equal for every value of their symbols."""
     try:
+        return _same_size(a, b)
+    except TypeError:  # an unhashable size: not memoised
+        return _same_size.__wrapped__(a, b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _same_size(a, b) -> bool:
+    # memoised: every block of a deep MoE asks the same few questions, and sympy's simplify
+    # costs milliseconds each
+    try:
         return sympy.simplify(sym(a) - sym(b)) == 0
     except (sympy.SympifyError, TypeError):
         return str(a) == str(b)
@@ -81,6 +97,7 @@ class MoEGraph:
             # data dependence on an input through tensors (sizes do not count: arange(N) is token-free)
             self.dep[n] = n.op == "placeholder" or any(self.dep.get(a, False) for a in n.all_input_nodes
                                                        if tensorish(a))
+        self._routers = None
         self.batch = None
         for n in self.nodes:
             if n.op == "placeholder" and shape_of(n):
@@ -90,35 +107,65 @@ class MoEGraph:
     def tin(self, n: fx.Node) -> list[fx.Node]:
         return [a for a in n.all_input_nodes if tensorish(a)]
 
+    # The walks below follow users from the seeds in graph order (a heap keyed by position)
+    # instead of scanning every node after the first seed: a block's walk costs the size of
+    # what it finds, not the rest of the graph, so detection is linear in the layers, not
+    # quadratic. Each equals the plain scan it replaces (tests/unit/test_plan_speed_invariance.py
+    # checks them against it).
     def closure(self, seeds) -> set:
         """Nodes computed from `seeds` whose other tensor inputs are all token-free or in the set."""
         out = set(seeds)
-        start = min(self.order[s] for s in seeds)
-        for n in self.nodes[start:]:
-            if n in out or n.op != "call_function":
+        heap = [(self.order[u], u) for s in out for u in s.users]
+        heapq.heapify(heap)
+        seen: set = set()
+        while heap:
+            _, n = heapq.heappop(heap)
+            if n in seen or n in out:
+                continue
+            seen.add(n)
+            if n.op != "call_function":
                 continue
             ins = self.tin(n)
+            # a node that reads a member joins when its other tensor inputs are token-free or
+            # members: every member input precedes it, so it is decided when popped
             if ins and any(a in out for a in ins) and all(a in out or not self.dep[a] for a in ins):
                 out.add(n)
+                for u in n.users:
+                    heapq.heappush(heap, (self.order[u], u))
         return out
 
-    def descendants(self, seeds) -> set:
+    def descendants(self, seeds, stop: fx.Node | None = None) -> set:
+        """`seeds` and every node computed from them; with `stop`, only those up to `stop` in
+        graph order (what an intersection with `stop`'s ancestry needs)."""
         out = set(seeds)
-        start = min(self.order[s] for s in seeds)
-        for n in self.nodes[start:]:
-            if any(a in out for a in n.all_input_nodes):
-                out.add(n)
+        last = self.order[stop] if stop is not None else len(self.nodes)
+        stack = list(out)
+        while stack:
+            m = stack.pop()
+            for u in m.users:
+                if u not in out and self.order[u] <= last:
+                    out.add(u)
+                    stack.append(u)
         return out
 
-    def ancestors(self, n: fx.Node) -> set:
+    def ancestors(self, n: fx.Node, within: set | None = None) -> set:
+        """Every node `n` is computed from; with `within`, only those reached through members of
+        `within` (ancestors that are themselves in `within`: the region between a set and `n`
+        when `within` holds that set's descendants)."""
         out, stack = set(), [n]
         while stack:
             m = stack.pop()
             for a in m.all_input_nodes:
-                if a not in out:
+                if a not in out and (within is None or a in within):
                     out.add(a)
                     stack.append(a)
         return out
+
+    def router(self, t: fx.Node):
+        """`expert_props.find_router(t)`, with the walk bounded by this graph's router index."""
+        if self._routers is None:
+            self._routers = RouterIndex(self.nodes, self.order)
+        return find_router(t, self._routers)
 
     def token_major(self, n: fx.Node, n_tokens) -> bool:
         s = shape_of(n)

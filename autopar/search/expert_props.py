@@ -13,7 +13,8 @@ blocks): what a router is, and whether an op between dispatch and combine is row
   number of rows. The probe lifts divisibility (it asks about the op, not a mesh). A view
   must also keep the row count free (`-1` leading), since the experts run on a rank's rows.
 
-API: `find_router(t) -> (linear, tokens, E) | None`, `router_failure(t) -> str` (why a top-k
+API: `find_router(t, index=None) -> (linear, tokens, E) | None` (`RouterIndex(nodes, order)`
+bounds its walk per graph), `router_failure(t) -> str` (why a top-k
 is not a router), `row_wise_failure(n, rows, dim=0) -> str | None` (why an op is not row-wise,
 naming its rule; `dim` holds the rows). Reads node.meta["autopar"] and node.meta["val"];
 writes nothing.
@@ -85,15 +86,54 @@ def _scores(t: fx.Node) -> tuple[fx.Node, tuple] | str:
     return inp, shape
 
 
-def find_router(t: fx.Node):
+class RouterIndex:
+    """Where router linear maps can be, per graph: for each (N, E) output shape, the position of
+    the first linear node with that output whose weight is a parameter (E, ...). `find_router`
+    with it skips a top-k whose shape no linear map gives (DeepSeek-V3's top-k over expert
+    groups) and never walks above the first candidate, which its breadth-first walk could not
+    find there: nodes earlier than every candidate have only earlier ancestors. Without the
+    index that walk visits every ancestor of each such top-k, the whole graph above it."""
+
+    def __init__(self, nodes: list[fx.Node], order: dict[fx.Node, int]):
+        self.order = order
+        self.first: dict = {}
+        for n in nodes:
+            if n.op != "call_function" or base_name(n) != "aten.linear" or len(n.args) < 2:
+                continue
+            w, shape = param_of(n.args[1]), value_shape(n)
+            if w is None or not shape or len(shape) != 2 or not value_shape(w) or value_shape(w)[0] != shape[1]:
+                continue
+            try:
+                self.first.setdefault(tuple(shape), self.order[n])
+            except TypeError:  # an unhashable size: no bound for this shape
+                self.first[None] = 0
+
+    def floor(self, shape) -> int | None:
+        """The first position a router linear map of output `shape` can have; None: none can."""
+        if None in self.first:
+            return 0
+        try:
+            return self.first.get(tuple(shape))
+        except TypeError:
+            return 0
+
+
+def find_router(t: fx.Node, index: RouterIndex | None = None):
     """(router linear node, token rows node, E) when top-k node `t` (or a max / argmax over the
     last dim, for `expert_reasons`) selects experts per token:
     the nearest linear map among its input's ancestors whose weight is a parameter (E, D) and
-    whose output has the top-k input's shape. None otherwise."""
+    whose output has the top-k input's shape. None otherwise. `index` (the graph's
+    `RouterIndex`) bounds the walk; the answer is the same with or without it."""
     s = _scores(t)
     if isinstance(s, str):
         return None
     inp, shape = s
+    lo = 0
+    if index is not None:
+        lo = index.floor(shape)
+        if lo is None:
+            return None
+    order = index.order if index is not None else None
     seen, frontier = {inp}, [inp]
     while frontier:  # breadth first: the nearest linear map wins
         nxt = []
@@ -104,7 +144,7 @@ def find_router(t: fx.Node):
                         value_shape(m) == shape:
                     return m, m.args[0], int(shape[1])
             for a in m.all_input_nodes:
-                if a not in seen and a.op == "call_function":
+                if a not in seen and a.op == "call_function" and (order is None or order[a] >= lo):
                     seen.add(a)
                     nxt.append(a)
         frontier = nxt

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -122,43 +123,34 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     link = axis_links(hw.with_nodes(-(-int(np.prod(list(mesh.values()))) // hw.gpus_per_node))
                       if np.prod(list(mesh.values())) > hw.world_size else hw, mesh)[axis]
     launch = hw.kernel_overhead_s
+    facts = (facts_for(gm, gc) if gc is not None else None) or GraphFacts(gm)  # shared by one analysis' solves
     gc = gc if gc is not None else analyze(gm, hw)
     values = gc.values(sizes)
     timer = NodeTimer(hw, values)
     by_name = {nc.name: nc for nc in gc.nodes}
     sym_vals = _symbol_values(gm, gc, values)
-    keys = ir.node_keys(gm)
-    rg = requires_grad_nodes(gm)
-    param_pins = dict(param_pins or {})
-    node_pins = dict(node_pins or {})
-    conv_memo: dict = {}
+    keys, rg = facts.keys, facts.rg
+    param_pins, node_pins = dict(param_pins or {}), dict(node_pins or {})
 
+    @functools.lru_cache(maxsize=None)
     def conv(src, dst, pg, nbytes):  # conversion_time with this solve's link, memoised
-        key = (src, dst, pg, nbytes)
-        t = conv_memo.get(key)
-        if t is None:
-            t = conv_memo[key] = conversion_time(src, dst, pg, nbytes, link, k, launch)
-        return t
+        return conversion_time(src, dst, pg, nbytes, link, k, launch)
 
     # --- strategies per node ------------------------------------------------------------------
     nodes: list[fx.Node] = []
     strats: dict[fx.Node, list[Strategy]] = {}
-    unruled: Counter = Counter()
-    excluded: list[str] = []
-    forbidden = _forbidden(gm, axis)
-    rule_memo: dict = {}
-    desc_memo: dict = {}
+    unruled, excluded, rule_memo = Counter(), [], {}
+    forbidden = facts.forbidden(axis)
+    desc_memo, sig_memo = facts.desc_memo.setdefault(axis, {}), facts.sig_memo.setdefault(axis, {})
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr") and not is_tensor(n):
             continue
         if n.op == "placeholder":
             strats[n] = [Strategy((), R, 0.0)]
         elif n.op == "get_attr":
-            if True:
-                shape = value_shape(n)
-                cand = [Strategy((), R, 0.0)] + [Strategy((), Shard(d), 0.0) for d in range(len(shape))
-                                                   if isinstance(shape[d], int) and shape[d] % k == 0 and shape[d] >= k]
-                strats[n] = cand
+            shape = value_shape(n)
+            strats[n] = [Strategy((), R, 0.0)] + [Strategy((), Shard(d), 0.0) for d in range(len(shape))
+                                                  if isinstance(shape[d], int) and shape[d] % k == 0 and shape[d] >= k]
         elif n.op == "output":
             ins = [a for a in n.all_input_nodes if is_tensor(a)]
             strats[n] = [Strategy(tuple(R for _ in ins), None, 0.0)]
@@ -167,7 +159,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
                 continue
             # identical calls (the same op on the same shapes and arguments: the blocks of a
             # deep model) have the same strategies; the rule runs once per distinct call
-            sig = _call_signature(n, forbidden, desc_memo)
+            sig = sig_memo[n] if n in sig_memo else sig_memo.setdefault(n, _call_signature(n, forbidden, desc_memo))
             hit = rule_memo.get(sig) if sig is not None else None
             if hit is None:
                 v = strategies_for(n, axis, k, forbidden)
@@ -191,14 +183,14 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
                                  f"{sorted({str(s.out) for s in strats[n]})}")
             strats[n] = keep
         nodes.append(n)
-    inputs_of = {n: [a for a in n.all_input_nodes if is_tensor(a)] for n in nodes}
+    inputs_of = {n: facts.inputs(n) for n in nodes}
     for n in nodes:
         for a in inputs_of[n]:
             if a not in strats:
                 raise RuntimeError(f"sharding search: input {a.format_node()} of {n.name} has no strategies")
 
     # --- identical layers share variables --------------------------------------------------------
-    gid, n_rep = _groups(nodes, strats, inputs_of, tie_layers)
+    gid, n_rep = _groups(nodes, strats, inputs_of, tie_layers, facts)
     # one tensor read under several names (tied embedding and LM head) has one placement
     owner: dict[int, Any] = {}
     for n in nodes:
@@ -263,7 +255,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
         if not cons:
             continue
         gu = gid[u]
-        nbytes = node_nbytes(u, sym_vals)
+        nbytes = facts.nbytes(u, sym_vals)
         # a producer of a repeated layer whose consumers are the same groups as an earlier one's
         # adds the same conversion costs (the rows and variables exist already): reuse them
         rkey = (gu, frozenset((gid[v], inputs_of[v].index(u)) for v in cons), nbytes, u in rg)
@@ -374,7 +366,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     comm_s = sum(c * sol[hv] for hv, c in comm_terms if c != INF)
     total = float(c_vec @ sol) / scale
     memory = sum(mem[i] * sol[i] for i in range(n_x))
-    check_comm = _recount_comm(nodes, chosen, inputs_of, rg, conv, sym_vals)
+    check_comm = _recount_comm(nodes, chosen, inputs_of, rg, conv, lambda a: facts.nbytes(a, sym_vals))
     gap = getattr(res, "mip_gap", None)
     status = "optimal" if res.status == 0 else f"stopped ({res.message})"
     return ShardSolution(axis=axis, k=k, chosen=chosen, keys={n: keys[n] for n in chosen}, objective_s=total,
@@ -385,7 +377,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
 
 
 # --- helpers ------------------------------------------------------------------------------------
-def _recount_comm(nodes, chosen, inputs_of, rg, conv, sym_vals) -> float:
+def _recount_comm(nodes, chosen, inputs_of, rg, conv, nbytes) -> float:
     """Communication seconds of a chosen plan, counted as the rewrite inserts conversions: one
     per (producer, target placement, partial gradient), shared by the consumers."""
     seen: set = set()
@@ -400,32 +392,28 @@ def _recount_comm(nodes, chosen, inputs_of, rg, conv, sym_vals) -> float:
             if key in seen:
                 continue
             seen.add(key)
-            total += conv(chosen[a].out, p, pg, node_nbytes(a, sym_vals))
+            total += conv(chosen[a].out, p, pg, nbytes(a))
     return total
 
 
-
-def _groups(nodes, strats, inputs_of, tie: bool):
+def _groups(nodes, strats, inputs_of, tie: bool, facts: "GraphFacts | None" = None):
     """node -> variable group; identical layers map position-by-position onto the first."""
     gid = {n: ("node", n.name) for n in nodes}
     if not tie:
         return gid, 0
-    layers: dict[str, list[fx.Node]] = {}
-    for n in nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        lay = layer_of(ir.info(n).module) if ir.get_info(n) else None
-        if lay is not None:
-            layers.setdefault(lay, []).append(n)
+    layers, shapes = (facts or GraphFacts(None)).layers(nodes, inputs_of)
     reps: dict[tuple, str] = {}
     n_rep = 0
+    strs: dict[int, tuple] = {}  # str of a strategy list, once per list (equal calls share one)
     for lay, members in layers.items():
         pos = {n: i for i, n in enumerate(members)}
         sig = []
-        for n in members:
-            ins = tuple(("L", pos[a]) if a in pos else ("X", str(value_shape(a))) for a in inputs_of[n])
-            tgt = str(n.target) if n.op != "get_attr" else "get_attr:" + str(n.target).split(".")[-1]
-            sig.append((n.op, tgt, str(value_shape(n)), tuple(str(s) for s in strats[n]), ins))
+        for n, (op, tgt, shape, ins) in zip(members, shapes[lay]):
+            ss = strats[n]
+            st = strs.get(id(ss))
+            if st is None or st[0] is not ss:
+                st = strs[id(ss)] = (ss, tuple(str(s) for s in ss))
+            sig.append((op, tgt, shape, st[1], ins))
         sig = tuple(sig)
         rep = reps.setdefault(sig, lay)
         if rep != lay:
@@ -433,6 +421,76 @@ def _groups(nodes, strats, inputs_of, tie: bool):
         for n in members:
             gid[n] = ("layer", rep, pos[n])
     return gid, n_rep
+
+
+class GraphFacts:
+    """What the ILP reads of one graph that no axis size changes (node keys, nodes needing a
+    gradient, per axis the dims sharded elsewhere and each call's signature, tensor inputs, bytes,
+    the layers' descriptions), found once for the planner's solves for tp = 2, 4, 8 (`facts_for`):
+    a third of each solve on a 61-layer MoE. Checked equal to fresh solves in
+    tests/unit/test_plan_speed_invariance.py."""
+
+    def __init__(self, gm: fx.GraphModule | None):
+        self.gm, self.n_nodes = gm, (len(gm.graph.nodes) if gm is not None else 0)
+        self.keys = ir.node_keys(gm) if gm is not None else {}
+        self.rg = requires_grad_nodes(gm) if gm is not None else set()
+        self.desc_memo: dict[str, dict] = {}  # per axis, as the solve's own memos
+        self.sig_memo: dict[str, dict] = {}
+        self._forbidden: dict[str, dict] = {}
+        self._inputs, self._nbytes, self._layers = {}, {}, None
+
+    def forbidden(self, axis: str) -> dict[fx.Node, set[int]]:
+        if axis not in self._forbidden:
+            self._forbidden[axis] = _forbidden(self.gm, axis)
+        return self._forbidden[axis]
+
+    def inputs(self, n: fx.Node) -> list[fx.Node]:
+        if n not in self._inputs:
+            self._inputs[n] = [a for a in n.all_input_nodes if is_tensor(a)]
+        return self._inputs[n]
+
+    def nbytes(self, n: fx.Node, sym_vals) -> float:
+        memo = self._nbytes.setdefault(tuple(sorted(sym_vals.items())), {})
+        if n not in memo:
+            memo[n] = node_nbytes(n, sym_vals)
+        return memo[n]
+
+    def layers(self, nodes: list[fx.Node], inputs_of) -> tuple[dict[str, list[fx.Node]], dict[str, list[tuple]]]:
+        """The nodes of each repeated layer (`layers.N`) and per node (op, target, shape, inputs
+        by position in the layer or by shape): the layer signature less the strategies."""
+        if self._layers is not None and self._layers[0] == nodes:
+            return self._layers[1], self._layers[2]
+        layers: dict[str, list[fx.Node]] = {}
+        for n in nodes:
+            lay = layer_of(ir.info(n).module) if ir.get_info(n) and n.op not in ("placeholder", "output") else None
+            if lay is not None:
+                layers.setdefault(lay, []).append(n)
+        shapes: dict[str, list[tuple]] = {}
+        for lay, members in layers.items():
+            pos = {n: i for i, n in enumerate(members)}
+            shapes[lay] = [(n.op, str(n.target) if n.op != "get_attr" else "get_attr:" + str(n.target).split(".")[-1],
+                            str(value_shape(n)),
+                            tuple(("L", pos[a]) if a in pos else ("X", str(value_shape(a))) for a in inputs_of[n]))
+                           for n in members]
+        self._layers = (list(nodes), layers, shapes)
+        return layers, shapes
+
+
+_FACTS: dict[int, tuple[Any, GraphFacts]] = {}
+
+
+def facts_for(gm: fx.GraphModule, gc: Any) -> GraphFacts | None:
+    """The `GraphFacts` of `gm` for every solve given the same analysis `gc` (one `cost.analyze`
+    of one state of the graph: a rewritten graph is analysed anew, so never meets stale facts)."""
+    hit = _FACTS.get(id(gc))
+    if hit is not None and hit[0]() is gc and hit[1].gm is gm and hit[1].n_nodes == len(gm.graph.nodes):
+        return hit[1]
+    try:
+        ref = weakref.ref(gc, lambda _r, key=id(gc): _FACTS.pop(key, None))
+    except TypeError:  # no weak reference to it: nothing shared
+        return None
+    _FACTS[id(gc)] = (ref, GraphFacts(gm))
+    return _FACTS[id(gc)][1]
 
 
 def _fetch(gm: fx.GraphModule, target: str):
