@@ -288,6 +288,11 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                          "after the expert pass the blocks hold the token dispatch, and the recompute search finds no "
                          "block it can checkpoint (it would silently recompute nothing); drop memory_budget (and "
                          "plan.recompute), or give the ep ranks to dp with ZeRO-3 to save memory instead")
+    if mesh.size("pp") > 1 and plan.schedule in ("zb_h1", "zbv") and (
+            memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
+        raise ValueError(f"activation recomputation with the {plan.schedule!r} schedule does not run yet: it computes "
+                         "input and weight gradients in two backward passes, and a checkpointed region allows one; "
+                         "use schedule '1f1b' or 'interleaved_1f1b' with memory_budget, or drop memory_budget")
     if mesh.size("ep") > 1 and "expert" not in plan.extra:
         from autopar.search.expert import plan_experts  # noqa: PLC0415
 

@@ -50,6 +50,7 @@ Guarantees: with P = 1 the graph computes what it computed before (local permute
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -306,12 +307,24 @@ def _rewrite_dense(gm: fx.GraphModule, b: dict, node: dict, axis: str | None, P:
 
 
 def _to_combine_placement(g, y, exit_node, comb, others):
-    """Expert outputs that are partial sums on a tp axis are all-reduced when the combine was replicated."""
+    """Expert outputs that are partial sums on a tp axis are all-reduced when the combine was
+    replicated there, and reduce-scattered on the combine's dim when the sharding search sharded
+    the combine on a dim other than its rows (dim 0, which the combine puts back in token order;
+    e.g. S(1), the hidden dim, where a reduce-scatter is cheaper than an all-reduce)."""
     for ax in others:
         src, dst = _place(exit_node, ax), _place(comb, ax)
+        shape = ir.info(y).shape
         if isinstance(src, Partial) and isinstance(dst, Replicate):
-            y = _new(g, torch.ops.autopar.all_reduce.default, (y, ax, src.op), y, shape=ir.info(y).shape,
+            y = _new(g, torch.ops.autopar.all_reduce.default, (y, ax, src.op), y, shape=shape,
                      dtype=ir.info(y).dtype)
+        elif isinstance(src, Partial) and isinstance(dst, Shard) and shape and dst.dim % len(shape) != 0:
+            d = dst.dim % len(shape)
+            y = _new(g, torch.ops.autopar.reduce_scatter.default, (y, ax, d, src.op), y, shape=shape,
+                     dtype=ir.info(y).dtype)
+            local = ir.info(comb).local_shape
+            if local is not None:  # this rank's slice of dim d, as the combine's output has it
+                ir.set_info(y, dataclasses.replace(ir.info(y), local_shape=tuple(
+                    local[d] if i == d else n for i, n in enumerate(shape))))
         elif src != dst:
             raise ExpertPlanError(f"expert outputs are {src} on {ax!r} but the combine {comb.name} is {dst}; "
                                   "pin the experts' output to replicated or partial on that axis")

@@ -93,7 +93,11 @@ RUNTIME_SUPPORT = {
     "zero_with_tied_pp": False,  # PipelineProgram: tied weights across stages need ZeRO 0
     "ep_with_pp": True,  # PipelineProgram splits the batch over dp x ep (tests/dist/test_ep_pipeline.py)
     "recompute_with_ep": False,  # api.parallelize: the recompute search finds no block after the expert pass
+    # selective checkpoint regions allow one backward; zb_h1 / zbv run input and weight gradients
+    # as two (torch: "Trying to backward an extra time ... selective activation checkpoint")
+    "recompute_with_split_backward": False,
 }
+SPLIT_BACKWARD = ("zb_h1", "zbv")
 
 _MEMO: dict[str, tuple[dict, dict]] = {}
 
@@ -354,6 +358,8 @@ class _Search:
     def _may_recompute(self, c: Candidate) -> bool:
         if self.recompute == "none" or (c.ep > 1 and not self.support.get("recompute_with_ep")):
             return False
+        if c.pp > 1 and c.schedule in SPLIT_BACKWARD and not self.support.get("recompute_with_split_backward"):
+            return False
         return c.pp == 1 or bool(self.support.get("recompute_with_pp")) or self.recompute == "full" \
             or isinstance(self.recompute, Mapping)
 
@@ -361,6 +367,12 @@ class _Search:
                   cutoff: float | None = None) -> Evaluation | None:
         rc = self.recompute
         if c.pp > 1 and not self.support.get("recompute_with_pp") and rc == "auto":
+            rc = "none"
+        if c.pp > 1 and c.schedule in SPLIT_BACKWARD and not self.support.get("recompute_with_split_backward") \
+                and rc != "none":
+            if rc != "auto":  # recompute was asked for: this schedule cannot carry it out
+                self.notes.append(f"{c.label()}: recompute with {c.schedule} (a split backward) does not run yet")
+                return None
             rc = "none"
         try:
             return self.model.evaluate(c, self.limit, pins=self.split_pins if pins is None else pins, recompute=rc,
