@@ -88,6 +88,16 @@ def test_parallelize_refuses_pp_with_cp_before_any_step_in_one_process():
         autopar.parallelize(spec.build(), autopar.mesh(pp=2, cp=2), example_inputs=inputs)
 
 
+@pytest.mark.parametrize("schedule", ["zb_h1", "zbv"])
+def test_parallelize_refuses_recompute_with_a_split_backward_schedule_before_any_step(schedule):
+    spec = get("gpt-tiny")
+    torch.manual_seed(0)
+    inputs, _ = spec.example_batch(4)
+    with pytest.raises(ValueError, match=rf"activation recomputation with the '{schedule}' schedule does not run yet"):
+        autopar.parallelize(spec.build(), autopar.mesh(pp=2), example_inputs=inputs, pins={"schedule": schedule},
+                            memory_budget=0.5)
+
+
 # --- tp x cp under Ulysses (autopar/search/context.py) -----------------------------------------
 def test_ulysses_is_refused_when_the_heads_per_tp_rank_do_not_divide_by_cp_and_ring_is_not():
     gm = _graph("gpt-tiny", dynamic_seq=True)  # 4 query heads: 2 per rank at tp=2
