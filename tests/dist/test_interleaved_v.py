@@ -26,6 +26,7 @@ from autopar.passes.plan import Plan
 from autopar.pipeline_build import build_pipeline
 from autopar.runtime.mesh import make_mesh
 from harness import world
+from pipeline_parity import reference_run, train_and_compare
 
 TOL = dict(rtol=1.3e-6, atol=1e-5)
 ADAMW = dict(lr=1e-3, eps=1e-6)
@@ -43,18 +44,7 @@ _GRAPH = autopar.capture(_MODEL, (_data(8)[0],))  # captured once in the parent;
 
 
 def _reference(idx, tgt):
-    model = copy.deepcopy(_MODEL)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses, grads0 = [], None
-    for k in range(STEPS):
-        opt.zero_grad()
-        loss = loss_fn(model(idx), tgt)
-        loss.backward()
-        losses.append(loss.item())
-        if k == 0:
-            grads0 = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-    return losses, grads0, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return reference_run(_MODEL, (idx, tgt), loss_fn, steps=STEPS, adamw=ADAMW)
 
 
 def _rank(rank, ws):
@@ -68,23 +58,8 @@ def _rank(rank, ws):
     idx, tgt = _data(M * MB)
     ref_losses, ref_grads, ref_params = _reference(idx, tgt)
     opt = program.engine.make_optimizer(torch.optim.AdamW, **ADAMW)
-    losses = []
-    for k in range(STEPS):
-        opt.zero_grad()
-        losses.append(program.step((idx, tgt), loss_fn).item())
-        if k == 0:
-            for s, mod in program.stages.items():
-                for n, p in mod.named_parameters():
-                    torch.testing.assert_close(p.grad, ref_grads[n], **TOL,
-                                               msg=lambda msg: f"rank {rank} stage {s} grad of {n}: {msg}")
-        opt.step()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL,
-                               msg=lambda msg: f"rank {rank} losses: {msg}")
-    full = program.engine.gather_full_state_dict()
-    held = sorted({n for mod in program.stages.values() for n, _ in mod.named_parameters()})
-    for n in held:
-        torch.testing.assert_close(full[n].float(), ref_params[n], **TOL,
-                                   msg=lambda msg: f"rank {rank}: {n} after {STEPS} steps: {msg}")
+    losses, held, _full = train_and_compare(program, opt, (idx, tgt), loss_fn, (ref_losses, ref_grads, ref_params),
+                                            steps=STEPS, tol=TOL, what=f"rank {rank}")
     return {"split": list(plan.split_points), "stages": sorted(int(s) for s in program.stages), "held": held,
             "losses": losses}
 

@@ -32,6 +32,7 @@ from autopar.pipeline_build import build_pipeline
 from autopar.runtime.collectives import COUNTER
 from autopar.runtime.mesh import make_mesh
 from harness import world
+from pipeline_parity import reference_run, train_and_compare
 
 TOL = dict(rtol=1.3e-6, atol=1e-5)
 ADAMW = dict(lr=1e-3, eps=1e-6)
@@ -57,18 +58,7 @@ _GRAPHS = {key: autopar.capture(m, (_data(8)[0],)) for key, m in _MODELS.items()
 
 
 def _reference(model, idx, tgt):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses, grads0 = [], None
-    for k in range(STEPS):
-        opt.zero_grad()
-        loss = loss_fn(model(idx), tgt)
-        loss.backward()
-        losses.append(loss.item())
-        if k == 0:
-            grads0 = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-        opt.step()
-    return losses, grads0, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return reference_run(model, (idx, tgt), loss_fn, steps=STEPS, adamw=ADAMW)
 
 
 def _run_case(rank, key, mesh, schedule, m, zero=0, pins=(), infer=False):
@@ -85,23 +75,8 @@ def _run_case(rank, key, mesh, schedule, m, zero=0, pins=(), infer=False):
     ref_losses, ref_grads, ref_params = _reference(model, idx, tgt)
     opt = program.engine.make_optimizer(torch.optim.AdamW, **ADAMW)
     what = f"{key[0]} {schedule} m={m} mesh {dict(mesh.sizes)} zero {zero} rank {rank}"
-    losses = []
-    for k in range(STEPS):
-        opt.zero_grad()
-        losses.append(program.step((idx, tgt), loss_fn).item())
-        if k == 0 and zero == 0:
-            for s, mod in program.stages.items():
-                for n, p in mod.named_parameters():
-                    torch.testing.assert_close(p.grad, ref_grads[n], **TOL,
-                                               msg=lambda msg: f"{what}: grad of stage {s} {n}: {msg}")
-        opt.step()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL,
-                               msg=lambda msg: f"{what}: losses: {msg}")
-    full = program.engine.gather_full_state_dict()
-    held = sorted({n for mod in program.stages.values() for n, _ in mod.named_parameters()})
-    for n in held:
-        torch.testing.assert_close(full[n].float(), ref_params[n], **TOL,
-                                   msg=lambda msg: f"{what}: {n} after {STEPS} steps: {msg}")
+    losses, held, _full = train_and_compare(program, opt, (idx, tgt), loss_fn, (ref_losses, ref_grads, ref_params),
+                                           steps=STEPS, tol=TOL, what=what, check_grads=zero == 0)
     result = {}
     if infer:  # inference through the pipeline: every pp rank gets the output of the trained model
         ref = copy.deepcopy(model)
