@@ -38,6 +38,7 @@ from typing import Any, Mapping
 import torch.fx as fx
 
 from autopar.cost.graph import analyze
+from autopar.cost.memory import CROSS_ENTROPY, LossModel
 from autopar.cost.timeline import Timeline, regions_for, timeline
 from autopar.search.recompute import (NO_ACTIVATION, NO_MODULE, ChainModel, Choices, build_chain, ladder,
                                       ladder_choices, model_cost, off_choices, regions_of, solve, solve_dp)
@@ -74,7 +75,7 @@ class RecomputeReport:
 
 def plan_recompute(gm: fx.GraphModule, budget: float | int, hardware: Any = "cpu-gloo", *,
                    sizes: Mapping[str, int] | None = None, method: str = "auto", time_limit_s: float = 10.0,
-                   recompute_collectives: bool = False, strict: bool = True,
+                   recompute_collectives: bool = False, strict: bool = True, loss: LossModel = CROSS_ENTROPY,
                    ) -> tuple[dict[str, str], RecomputeReport]:
     """The cheapest recompute plan (least recomputation time) whose peak fits `budget`.
 
@@ -88,6 +89,8 @@ def plan_recompute(gm: fx.GraphModule, budget: float | int, hardware: Any = "cpu
             (the cheapest plan of the model, `search.recompute.solve`).
         recompute_collectives: allow collectives to run again in backward (default: never).
         strict: raise ValueError when no plan fits (else return the smallest-peak plan and say so).
+        loss: what the loss on the graph's outputs adds to the peak (`cost.memory.CROSS_ENTROPY`,
+            as `model.step` runs a cross-entropy loss_fn; `GRAPH_ONLY` when the loss is in the graph).
 
     Returns:
         (Plan.recompute dict, report); `report.save` is Plan.extra["recompute_save"].
@@ -97,7 +100,7 @@ def plan_recompute(gm: fx.GraphModule, budget: float | int, hardware: Any = "cpu
         raise ValueError(f"memory budget must be a fraction in [0, 1] (float) or a byte count (int), got {budget!r}")
     gc = analyze(gm, hardware)
     vals = gc.values(sizes)
-    chain = build_chain(gm, gc, vals, hardware, recompute_collectives=recompute_collectives)
+    chain = build_chain(gm, gc, vals, hardware, recompute_collectives=recompute_collectives, loss=loss)
     none_pk, full_pk = chain.none.peak, chain.full.peak
     fraction = None
     if isinstance(budget, float) and budget <= 1.0:
@@ -124,7 +127,7 @@ def plan_recompute(gm: fx.GraphModule, budget: float | int, hardware: Any = "cpu
         notes.append(f"no plan fits {_gb(target)}; returned the smallest-peak plan ({_gb(lowest)})")
     modes, save = _plan_data(chain, choices)
     regions = regions_for(gc, modes, save, recompute_collectives=recompute_collectives)
-    tl = timeline(gc, regions, vals, hardware=hardware)
+    tl = timeline(gc, regions, vals, hardware=hardware, loss=loss)
     assert {r.name: (r.nodes, r.save) for r in regions} == \
         {r.name: (r.nodes, r.save) for r in regions_of(chain, choices)}, "plan data and regions disagree"
     blocked = {k: v for k, v in chain.skipped.items() if v not in (NO_MODULE, NO_ACTIVATION)}
@@ -160,7 +163,7 @@ def _search(chain: ChainModel, target: float, method: str, time_limit_s: float) 
         peak = tried.get(key)
         if peak is None:
             peak = timeline(gc, regions_of(chain, sol.choices), vals, hardware=chain.hardware,
-                            keep_points=False).peak
+                            keep_points=False, loss=chain.loss).peak
             tried[key] = peak
         record = {"method": sol.method, "status": sol.status, "cost_s": sol.cost_s, "bound_s": sol.bound_s,
                   "gap": sol.gap, "seconds": sol.seconds, "model_budget": model_budget, "iterations": it + 1,
@@ -210,7 +213,7 @@ def _search_ladder(chain: ChainModel, target: float) -> tuple[Choices | None, di
     def peak(k: int) -> float:
         if k not in peaks:
             peaks[k] = timeline(gc, regions_of(chain, ladder_choices(chain, flat[:k])), vals,
-                                hardware=chain.hardware, keep_points=False).peak
+                                hardware=chain.hardware, keep_points=False, loss=chain.loss).peak
         return peaks[k]
 
     info: dict[str, Any] = {"method": "ladder", "status": "feasible", "cost_s": 0.0, "bound_s": 0.0, "gap": 0.0,

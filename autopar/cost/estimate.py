@@ -3,7 +3,7 @@
 The captured graph is what one rank runs on one micro-batch: with data parallelism every dp
 rank runs it on its own slice of the batch. For a graph captured at the global batch (as
 `autopar.parallelize` captures it) pass `batch_is_global=True`, which costs the captured b
-divided by dp * n_microbatches; or set the batch yourself with `global_batch=` or
+divided by dp * ep * n_microbatches (expert-parallel ranks split the batch too); or set the batch yourself with `global_batch=` or
 `sizes={"b": ...}` (all need the batch dimension captured dynamic).
 
 Time of a node (roofline): max(matmul FLOPs / (peak[dtype] * eff.matmul) + other FLOPs /
@@ -33,7 +33,8 @@ Exposed communication = what is left after the overlap; step = forward + backwar
 communication + optimizer step (memory bound).
 
 Memory per rank: model states (`memory.model_states`), plus the activation peak from the
-liveness walk (`memory.liveness`), plus transient buffers: ZeRO 0/1 keep a flat copy of every
+liveness walk (`memory.liveness` with the `CROSS_ENTROPY` loss around the outputs), plus
+transient buffers: ZeRO 0/1 keep a flat copy of every
 gradient bucket until backward finishes (what `runtime.zero.GradReducer` does), ZeRO 2 every
 bucket's padded input and output (`ScatterReducer`), ZeRO 3 holds two units of gathered
 parameters (current + prefetch). The optimizer step adds one temporary
@@ -48,6 +49,14 @@ memory (`memory["offloaded"]`; not in `peak`; the step then runs on the CPU afte
 gradient rows go down and before its parameter rows come back, `memory.offload_step_seconds`
 at the profile's host bandwidths). Matmuls and attention are timed at the peak of
 `param_dtype` (the compute dtype); activation bytes stay the captured graph's.
+
+Expert parallelism (`plan.extra["expert"]`, an ep axis): the batch splits over dp x ep; rank
+0 keeps its experts' parameters and runs them on its dispatched rows (`expert_memory`).
+Pipeline (pp > 1 with `plan.split_points`, one stage per rank): `memory["peak_per_pp_rank"]`,
+each rank's stage walked with its in-flight micro-batches (`pipeline_memory`), and `peak` their
+maximum; the time stays one stage's (the pipeline build's `plan.extra["pipeline"]` prices the
+schedule). Measured against whole training steps on a gloo world for every strategy
+(tests/dist/test_memory_truth.py, +-10%).
 
 Recompute (`Plan.recompute`, `Plan.extra["recompute_save"]`): the activation walk is
 `cost.timeline` over the checkpointed regions (what autograd keeps, what is recomputed in
@@ -81,14 +90,30 @@ from .estimate_report import CommReport, Estimate, LayerReport
 from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
 from .comm import joined_data_axis
-from .memory import (OptimizerSpec, StateBytes, device_resident, liveness, model_states, offload_step_seconds,
-                     padded_numel, rows_of, tp_local_shape, with_param_dtype)
+from .memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, StateBytes, device_resident, liveness, model_states,
+                     offload_step_seconds, padded_numel, rows_of, tp_local_shape, with_param_dtype)
+from .expert_memory import ep_memory
+from .pipeline_memory import in_flight, stage_graph, stage_of_nodes
 from .timeline import regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
 from .zero_comm import grad_buckets, zero3_timeline
 
 __all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
+
+
+def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_peak, notes: list[str]) -> list[float] | None:
+    """Peak per pipeline rank (one stage per rank: 1F1B, GPipe); None with a note otherwise."""
+    stage_of = stage_of_nodes(gc, plan.split_points)
+    n_stages = max(stage_of) + 1 if stage_of else 1
+    if n_stages != pp:
+        notes.append(f"{n_stages} pipeline stages on pp={pp} ranks: memory costed as one stage (per-rank memory of "
+                     "virtual stages is not modelled)")
+        return None
+    if any(v != "none" for v in plan.recompute.values()):
+        notes.append("recompute inside pipeline stages: per-rank memory costed without it")
+    return [stage_peak(stage_graph(gc, stage_of, s), in_flight(plan.schedule, pp, plan.n_microbatches, s))
+            for s in range(n_stages)]
 
 
 def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,
@@ -105,9 +130,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             None: one device.
         hardware: a Hardware or a profile name / path ("h100-64", "cpu-gloo" ...).
         sizes: values of the size symbols ({"b": 4, "s": 8192}); default the captured sizes.
-        global_batch: sets b = global_batch / (dp * n_microbatches) (needs a dynamic batch dim).
+        global_batch: sets b = global_batch / (dp * ep * n_microbatches) (needs a dynamic batch dim).
         batch_is_global: the graph was captured at the global batch (autopar.parallelize's
-            capture): b = the captured b / (dp * n_microbatches), unless `global_batch` or
+            capture): b = the captured b / (dp * ep * n_microbatches), unless `global_batch` or
             `sizes["b"]` say otherwise.
         optimizer: "adamw", "adam", "sgd", "sgd_momentum", or a torch.optim class/instance.
         master_dtype: master weights' dtype; "auto": the plan's `master_dtype` (None: no masters,
@@ -136,7 +161,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     dp_axis = plan.dp_axis if plan.dp_axis in mesh else None
     dp = mesh.get(dp_axis, 1) if dp_axis else 1
     sizes = dict(sizes or {})
-    per = dp * plan.n_microbatches
+    ep = mesh.get("ep", 1)  # expert-parallel ranks split the batch too (api.parallelize: dp x ep)
+    per = dp * ep * plan.n_microbatches
     if global_batch is None and batch_is_global and "b" not in sizes:
         captured_b = next((v for k, v in gc.values().items() if str(k) == "b"), None)
         if captured_b is None:
@@ -145,7 +171,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         global_batch = int(captured_b)
     if global_batch is not None:
         if global_batch % per:
-            raise ValueError(f"global_batch={global_batch} does not divide by dp * n_microbatches = {per}; "
+            raise ValueError(f"global_batch={global_batch} does not divide by dp * ep * n_microbatches = {per}; "
                              "pick a multiple")
         sizes["b"] = global_batch // per
     context = plan.extra.get("context") or {}
@@ -161,6 +187,11 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     ev = lambda x: evaluate(x, values)  # noqa: E731
     timer = NodeTimer(hw, values, compute_dtype=plan.param_dtype)
     comp_div, mem_div = layout_divisors(gc, plan)
+    epm = ep_memory(gc, gc.params, plan, ev)  # expert parallelism: this rank's experts and their rows
+    notes += epm.notes
+    for k, f in epm.scale.items():
+        mem_div[k] = mem_div.get(k, 1) / f if f > 0 else math.inf
+    rank_params = epm.params
 
     # --- compute per node, per layer ------------------------------------------------------
     fwd_t = [0.0] * len(gc.nodes)
@@ -207,7 +238,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     if master_dtype == "auto":
         master_dtype = torch_dtype(plan.master_dtype)
     opt = OptimizerSpec.of(optimizer)
-    states: StateBytes = model_states(gc.params, opt, zero_stage=plan.zero_stage if dp > 1 else 0, dp=dp, rank=0,
+    states: StateBytes = model_states(rank_params, opt, zero_stage=plan.zero_stage if dp > 1 else 0, dp=dp, rank=0,
                                       master_dtype=master_dtype, grad_dtype=grad_dtype,
                                       param_layouts=plan.param_layouts, mesh=mesh, dp_axis=dp_axis,
                                       separate_masters=plan.offload, as_engine=True)
@@ -215,10 +246,10 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     zero = plan.zero_stage if dp > 1 else 0
 
     # --- data-parallel communication and its overlap ----------------------------------------
-    trainable = [p for p in gc.params if p.requires_grad]
+    trainable = [p for p in rank_params if p.requires_grad]
     grad_item = {p.name: (reduce_dt or grad_dtype or p.dtype).itemsize for p in trainable}  # communicated
     # after TP, before ZeRO
-    shapes = {p.name: tp_local_shape(p, plan.param_layouts, mesh, dp_axis) for p in gc.params if not p.is_buffer}
+    shapes = {p.name: tp_local_shape(p, plan.param_layouts, mesh, dp_axis) for p in rank_params if not p.is_buffer}
     local = {name: math.prod(rows_of(sh)) for name, sh in shapes.items()}
     padded = {name: padded_numel(sh, dp) for name, sh in shapes.items()}  # per rank, in ZeRO buffers
     # backward timeline: end time of each node's backward, walking in reverse
@@ -294,24 +325,54 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         step_s += exposed
 
     # --- memory -----------------------------------------------------------------------
-    pg_bytes = {}
+    pg_bytes = {k: 0.0 for k in epm.dropped}  # other ranks' experts: no gradient here
     for p in trainable:
         if p.key is not None:
             row = states.per_param.get(p.name, {})
             pg_bytes[p.key] = row.get("grads", 0) - row.get("master_grads", 0)  # masters' come after backward
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
-                    storage_divisor=mem_div)
+                    storage_divisor=mem_div, loss=CROSS_ENTROPY)
     recompute_s = recompute_flops = 0.0
     if any(v != "none" for v in plan.recompute.values()):  # the checkpointed regions' walk replaces the plain one
         try:
             regions = regions_for(gc, dict(plan.recompute), dict(plan.extra.get("recompute_save") or {}))
             live = timeline(gc, regions, values, hardware=hw, param_grad_bytes=pg_bytes,
-                            grads_preallocated=n_micro > 1, storage_divisor=mem_div, keep_points=False)
+                            grads_preallocated=n_micro > 1, storage_divisor=mem_div, keep_points=False,
+                            loss=CROSS_ENTROPY)
             recompute_s, recompute_flops = live.recompute_s * n_micro, live.recompute_flops * n_micro
             bwd_s += recompute_s
             step_s += recompute_s
         except ValueError as e:  # a plan for another graph's node keys: reported, costed without it
             notes.append(f"recompute could not be modelled on this graph ({e}); every saved tensor is kept")
+    def stage_peak(g: GraphCost, k: int) -> float:
+        """Peak of a pipeline rank running stage graph `g` with `k` micro-batches in flight."""
+        st = model_states(g.params, opt, zero_stage=zero, dp=dp, rank=0, master_dtype=master_dtype,
+                          grad_dtype=grad_dtype, param_layouts=plan.param_layouts, mesh=mesh, dp_axis=dp_axis,
+                          separate_masters=plan.offload, as_engine=True)
+        pg = {k_: 0.0 for k_ in epm.dropped}
+        for p in g.params:
+            if p.requires_grad and p.key is not None:
+                row = st.per_param.get(p.name, {})
+                pg[p.key] = row.get("grads", 0) - row.get("master_grads", 0)
+        loss = CROSS_ENTROPY if g.outputs is gc.outputs or list(g.outputs) == list(gc.outputs) else HELD_OUTPUTS
+        first = liveness(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss)
+        act = first.peak + (k - 1) * first.forward_end
+        if n_micro > 1:  # later micro-batches: the gradients exist already
+            act = max(act, liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=mem_div,
+                                    loss=loss).peak)
+        trainable_s = [p for p in g.params if p.requires_grad]
+        trans = 0.0
+        if dp > 1 and zero < 3:  # the stage's flat gradient buckets until its backward ends
+            trans = sum((local[p.name] if zero < 2 else dp * padded[p.name]) * grad_item[p.name]
+                        for p in trainable_s) * (1 + 1 / dp if zero == 2 else 1)
+        elif dp > 1:
+            trans = transient
+        d, _host = device_resident({**st.to_dict(), "master_grads": st.master_grads}, plan.offload, zero)
+        pers = d["params"] + d["master"] + d["optimizer"] + d["buffers"]
+        tmp = opt.step_temporary(st.optimizer - (4 * len(trainable_s) if opt.step_tensor else 0), hw.device.kind)
+        return max(pers + act + (trans if zero == 3 else 0), pers + d["grads"] + trans + first.inputs,
+                   pers + d["grads"] + (0 if plan.offload else tmp))
+
     # offload: masters (at ZeRO-3 the shards themselves), their gradients and the states on the CPU
     dev, offloaded = device_resident({**states.to_dict(), "master_grads": states.master_grads}, plan.offload, zero)
     persistent = dev["params"] + dev["master"] + dev["optimizer"] + dev["buffers"]
@@ -324,6 +385,12 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
               "activations": float(live.saved), "activation_peak": float(live.peak),
               "transient": float(transient), "peak": float(peak), "capacity": float(hw.device.memory_bytes),
               "offloaded": float(offloaded)}
+    pp = mesh.get("pp", 1)
+    if pp > 1 and plan.split_points:  # per pipeline rank: its stage's states and walk
+        rank_peaks = _pipeline_peaks(gc, plan, pp, lambda g, k: stage_peak(g, k), notes)
+        if rank_peaks:
+            memory["peak_per_pp_rank"] = [float(x) for x in rank_peaks]
+            memory["peak"] = peak = float(max(rank_peaks))
     memory["headroom"] = memory["capacity"] - memory["peak"]
     if peak > hw.device.memory_bytes:
         notes.append(f"peak memory {peak / 2**30:.1f} GiB exceeds the device's "
@@ -373,7 +440,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         notes.append(f"compute costed at the {plan.param_dtype} peak (the plan's param_dtype); activation bytes as "
                      "captured")
     if plan.split_points or plan.schedule:
-        notes.append("pipeline stages (split_points / schedule) are not modelled yet: costed as one stage")
+        notes.append("pipeline stages: time costed as one stage (plan.extra['pipeline'] prices the schedule); memory "
+                     "per pipeline rank in memory['peak_per_pp_rank'] once split_points are set")
     if plan.fusions:
         notes.append("fusions are not modelled yet: ops are costed unfused")
     notes.append(f"graph costed per micro-batch of sizes {dict((str(k), v) for k, v in values.items()) or 'static'}")

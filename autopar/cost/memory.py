@@ -40,7 +40,14 @@ once; accumulation into an existing gradient costs a temporary of its size; view
 copies hand the output gradient on without allocating), then frees its output gradients and
 every saved storage whose earliest saver is this node (autograd releases saved tensors when
 that backward has run). The graph outputs get dense gradients, as a cross-entropy loss gives.
-Kernel workspaces and the insides of composite ops are not modelled.
+Kernel workspaces and the insides of composite ops are not modelled. Gradient buffers take
+the storage divisor of the tensor they are the gradient of (a sharded activation's gradient
+is sharded alike). Around the outputs, `loss` (a `LossModel`) adds what the loss function
+computes: `CROSS_ENTROPY` (what `cost.estimate` uses, as `model.step` runs a loss_fn) keeps the
+log-softmax output from the end of the forward to the loss's backward, where the gradient of
+the log-softmax output and the outputs' gradient are alive together, and keeps the outputs
+until backward ends (`step` holds them); the default `GRAPH_ONLY` is the graph alone, its
+outputs dropped when backward starts.
 
 It reads no `node.meta`. Guarantees: `model_states` is exact for the tensors torch.optim
 creates (tests compare with state dicts after a step, and with the ZeRO engine's
@@ -352,6 +359,40 @@ def params_of(module: torch.nn.Module) -> list[ParamInfo]:
 
 
 # ------------------------------------------------------------------------ liveness
+@dataclass(frozen=True)
+class LossModel:
+    """What the loss computed from the graph's outputs adds to the walk, as multiples of the
+    bytes of the outputs that get a gradient (`loss_output_bytes`).
+
+    `saved`: alive from the end of the forward to the loss's backward (cross-entropy's
+    log-softmax output); `grad_temp`: alive while the loss's backward makes the outputs'
+    gradient (the gradient of the log-softmax output, nll_loss's backward); `outputs_held`:
+    the caller keeps the outputs until backward ends instead of dropping them once the loss
+    is computed."""
+
+    saved: float = 0.0
+    grad_temp: float = 0.0
+    outputs_held: bool = False
+
+
+# the graph alone: its outputs dropped when backward starts, nothing around them
+GRAPH_ONLY = LossModel()
+# `F.cross_entropy` (log_softmax + nll_loss) on the outputs, as `model.step` runs a loss_fn (the
+# reference models' and transformers' losses): the log-softmax output saved, its gradient and
+# the outputs' gradient alive together, the outputs held in `step` (its `out`) until backward
+# ends. Measured on gpt-tiny, 16 x 32 tokens a rank: the step's peak is in LogSoftmaxBackward,
+# states + saved activations + 4x the logits (tests/dist/test_memory_truth.py).
+CROSS_ENTROPY = LossModel(saved=1.0, grad_temp=1.0, outputs_held=True)
+# a pipeline stage before the last: its outputs are sent on and kept for its backward, which
+# starts from the gradient the next stage sends back
+HELD_OUTPUTS = LossModel(outputs_held=True)
+
+
+def loss_output_bytes(gc: GraphCost, ev) -> float:
+    """Bytes of the graph's outputs that get a gradient (what the loss reads)."""
+    return float(sum(ev(t.nbytes) for t in gc.outputs if t.rg and not t.is_state))
+
+
 @dataclass
 class Liveness:
     """Result of the forward/backward walk on one rank (bytes)."""
@@ -404,7 +445,7 @@ class GradBuffers:
         """The gradients of the graph's outputs: dense, as a loss such as cross-entropy gives."""
         for t in outputs:
             if t.rg:
-                self._grads[id(t)] = self._alloc(self.ev(t.nbytes))
+                self._grads[id(t)] = self._alloc(self.ev(t.nbytes, t.key))
 
     def backward(self, n, observe) -> None:
         """Node `n`'s backward: its output gradients go to its inputs; `observe(transient)` sees
@@ -424,19 +465,20 @@ class GradBuffers:
                         full = t.nbytes if t.is_state else self._state_bytes[t.key]
                         self.param_grads += self.pg.get(t.key, self.ev(full))
             elif id(t) in self._grads:  # accumulated into the existing gradient: a temporary
-                transient += self.ev(t.nbytes)
+                transient += self.ev(t.nbytes, t.key)
             elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):
                 self._grads[id(t)] = out_b[0]
                 self._refs[out_b[0]] += 1
             else:
-                self._grads[id(t)] = self._alloc(self.ev(t.nbytes))
+                self._grads[id(t)] = self._alloc(self.ev(t.nbytes, t.key))
         observe(transient)
         for b in out_b:
             self._unref(b)
 
 
 def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, float] | None = None,
-             grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None) -> Liveness:
+             grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None,
+             loss: LossModel = GRAPH_ONLY) -> Liveness:
     """Walk forward then backward and return the peak (see the module docstring).
 
     Args:
@@ -445,6 +487,8 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
             (default: the parameter's full bytes).
         grads_preallocated: gradients already exist (later micro-batches of accumulation).
         storage_divisor: storage key -> how many ranks share it (tensor-parallel layouts).
+        loss: what the loss adds around the outputs (`CROSS_ENTROPY`: as `model.step` runs a
+            cross-entropy loss_fn); default the graph alone.
     """
     div = storage_divisor or {}
 
@@ -498,9 +542,18 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
     outputs = sum(size.get(k, 0) for k in out_keys if k not in saved_until)
     forward_end = live
 
+    # the loss: its saved tensor on top of the forward's end, then its backward makes the seed
+    loss_out = loss_output_bytes(gc, ev)
+    with_loss = loss != GRAPH_ONLY  # the graph alone: no points of its own (the walk as it always was)
+    if with_loss and live + loss.saved * loss_out + gb.param_grads > peak:
+        peak, peak_phase, peak_node = live + loss.saved * loss_out + gb.param_grads, "forward", "(loss)"
     # backward: activations still alive (live) + gradient buffers + parameter gradients
     gb.seed(gc.outputs)
-    live -= outputs  # the loss has been computed from the outputs; only saved ones stay
+    if not loss.outputs_held:
+        live -= outputs  # the loss has been computed from the outputs; only saved ones stay
+    a = live + gb.live + (loss.saved + loss.grad_temp) * loss_out + gb.param_grads
+    if with_loss and a > peak:
+        peak, peak_phase, peak_node = a, "backward", "(loss)"
 
     def observe(transient: float) -> None:
         nonlocal peak, peak_phase, peak_node

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .graph import GraphCost
-from .memory import GradBuffers
+from .memory import GRAPH_ONLY, GradBuffers, LossModel, loss_output_bytes
 from .ops import packet_name
 from .symbolic import evaluate
 
@@ -108,14 +108,15 @@ class Timeline:
 def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | None = None, *,
              hardware: Any = None, param_grad_bytes: Mapping[Any, float] | None = None,
              grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None,
-             segment_of: Sequence[int] | None = None, keep_points: bool = True) -> Timeline:
+             segment_of: Sequence[int] | None = None, keep_points: bool = True,
+             loss: LossModel = GRAPH_ONLY) -> Timeline:
     """Walk forward, recomputations and backward (see the module docstring).
 
     Args:
         regions: the recompute plan (disjoint); `regions_for` builds them from plan fields.
         values: symbol values (default: the capture's example sizes).
         hardware: profile for recomputation time (default: the one `gc` was analysed with).
-        param_grad_bytes, grads_preallocated, storage_divisor: as `memory.liveness`.
+        param_grad_bytes, grads_preallocated, storage_divisor, loss: as `memory.liveness`.
         segment_of: node index -> segment number (non-decreasing); fills `Timeline.segments`.
         keep_points: record every point (off: only the totals, faster).
     """
@@ -291,10 +292,17 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         if count[k] == 0 and k not in graph_inputs:
             free(k)
 
-    # --- backward
+    # --- the loss (its saved tensor, then its backward makes the seed), then backward
+    loss_out = loss_output_bytes(gc, ev)
+    last = nodes[-1].index if nodes else 0
+    if loss != GRAPH_ONLY:  # the graph alone: no points of its own (the walk as it always was)
+        point("forward", "(loss)", last, loss.saved * loss_out)
     gb.seed(gc.outputs)
-    for k in release_at.get(n_nodes, ()):
-        release(k)
+    if not loss.outputs_held:  # else the caller keeps them to the end of backward
+        for k in release_at.get(n_nodes, ()):
+            release(k)
+    if loss != GRAPH_ONLY:
+        point("backward", "(loss)", last, (loss.saved + loss.grad_temp) * loss_out)
     re_flops = re_s = 0.0
     re_nodes = 0
     timer = None
@@ -313,6 +321,9 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         for k in re_release.pop(i, ()):
             release(k)
         for k in release_at.get(i, ()):
+            release(k)
+    if loss.outputs_held:
+        for k in release_at.get(n_nodes, ()):
             release(k)
     segments: list[SegmentUse] = []
     if segment_of is not None:

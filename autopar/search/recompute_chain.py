@@ -39,6 +39,7 @@ from typing import Any, Mapping
 import torch.fx as fx
 
 from autopar.cost.graph import GraphCost, NodeCost
+from autopar.cost.memory import CROSS_ENTROPY, LossModel
 from autopar.cost.ops import packet_name
 from autopar.cost.symbolic import evaluate
 from autopar.cost.timeline import Region, SegmentUse, Timeline, communicates, node_timer, stop_runs, timeline
@@ -95,6 +96,7 @@ class ChainModel:
     full: Timeline  # exact walk, every candidate on with S empty
     skipped: dict[str, str]  # layer -> why it is not a candidate
     seconds: float = 0.0
+    loss: LossModel = CROSS_ENTROPY  # what the loss on the outputs adds to every walk
 
     @property
     def candidates(self) -> list[Segment]:
@@ -110,8 +112,10 @@ Choices = dict[str, "frozenset[int] | None"]  # candidate -> kept node indices (
 
 # ------------------------------------------------------------------------ the chain
 def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None, hardware: Any = None, *,
-                recompute_collectives: bool = False) -> ChainModel:
-    """Candidates, segments and the two calibrating walks for `gm` (analysed as `gc`)."""
+                recompute_collectives: bool = False, loss: LossModel = CROSS_ENTROPY) -> ChainModel:
+    """Candidates, segments and the two calibrating walks for `gm` (analysed as `gc`); `loss`:
+    what the loss computed from the outputs adds (`cost.memory.CROSS_ENTROPY`, as `model.step`
+    runs a cross-entropy loss_fn; `GRAPH_ONLY` for a graph whose loss is inside it)."""
     t0 = time.perf_counter()
     vals = gc.values() if values is None else values
     nodes = gc.nodes
@@ -151,8 +155,9 @@ def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None
         if members is not None:
             forced = frozenset() if recompute_collectives else frozenset(n.index for n in members if communicates(n))
             full_regions.append(Region(layer, frozenset(n.index for n in members), forced))
-    none = timeline(gc, (), vals, hardware=hardware, segment_of=segment_of, keep_points=False)
-    full = timeline(gc, full_regions, vals, hardware=hardware, segment_of=segment_of, keep_points=False)
+    none = timeline(gc, (), vals, hardware=hardware, segment_of=segment_of, keep_points=False, loss=loss)
+    full = timeline(gc, full_regions, vals, hardware=hardware, segment_of=segment_of, keep_points=False,
+                    loss=loss)
     timer = node_timer(gc, hardware, vals)
     segments: list[Segment] = []
     by_name = {r.name: r for r in full_regions}
@@ -178,7 +183,7 @@ def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None
             if nb > 0 and sec > 0 and _saveable(n) and n.name not in written:
                 items.append(Item(n.index, n.key, nb, sec, fl))
         segments.append(Segment(name, first, last, a, True, b, region, items, full_s, full_f))
-    return ChainModel(gc, vals, hardware, segments, segment_of, none, full, skipped, time.perf_counter() - t0)
+    return ChainModel(gc, vals, hardware, segments, segment_of, none, full, skipped, time.perf_counter() - t0, loss)
 
 
 def _not_candidate(gm: fx.GraphModule, gc: GraphCost, layer: str, members: list[NodeCost]) -> str | None:

@@ -1,0 +1,142 @@
+"""Predicted peak memory per rank against the measured peak of a whole training step, for every
+strategy, on one 4-rank gloo world (issue 22, item 7, the CPU half; scripts/gpu_check.sh is the
+GPU half, with torch.cuda.max_memory_allocated).
+
+Measured (tests/memory_measure.py `step_peak`): the SECOND training step of a real
+`autopar.parallelize` program (`pm.step` forward + backward, `opt.step()`, `opt.zero_grad()`;
+the first step creates the optimizer states). Per rank: the CPU storages reachable from the
+ParallelModel and its optimizer when the step starts (parameters, masters, optimizer states,
+the engines' flat buffers, buffers; each storage once, by data pointer), plus the largest rise
+of the allocator's records replayed in time order during the step. The global batch the test
+holds is not counted (the caller's; the prediction counts this rank's slice, < 0.1% here).
+
+Predicted (checked, +-10% of the measured peak, the issue's tolerance): `autopar.cost.estimate(
+pm.global_graph, pm.plan, "cpu-gloo", batch_is_global=True)` for this rank: `memory["peak"]`, or
+`memory["peak_per_pp_rank"][its pp coordinate]` on a pipeline. On a CPU, offload's host memory
+is the same memory, so the offloaded bytes are added (`memory["offloaded"]`, not in the
+device peak). For the plans made for this CPU mesh (every strategy but tp, planned for
+h100-sxm, and pp) `plan.predicted["peak_bytes"]` is that estimate: asserted equal.
+Printed, not checked: tp's `plan.predicted` (h100-sxm: torch's fused GPU Adam allocates no
+temporary, the CPU's for-each update does) and pp's `plan.predicted["peak_bytes_per_pp_rank"]`
+(the stage search's own walk, autopar/search/stages.py, 17-21% under the measured peak when
+written: it leaves out the loss and the runtime's held outputs; the planner owner's to fix).
+
+Sizes: gpt-tiny / moe-tiny at a global batch of 64 x 32 tokens, so that activations and
+states (4-11 MiB a rank) dominate, not the fixed overheads. `pytest -s` prints the table;
+AUTOPAR_MEMORY_TRUTH_ONLY="dp zero3,ep4 moe-tiny" runs a subset (debugging).
+"""
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost import estimate
+from autopar.models import get
+from harness import world
+from memory_measure import step_peak
+
+WS, BATCH, SEQ = 4, 64, 32
+RTOL = 0.10
+MiB = 2**20
+
+# name, model, mesh axes, parallelize keywords
+STRATEGIES = [
+    ("dp zero0", "gpt-tiny", {"dp": 4}, {"zero_stage": 0}),
+    ("dp zero1", "gpt-tiny", {"dp": 4}, {"zero_stage": 1}),
+    ("dp zero2", "gpt-tiny", {"dp": 4}, {"zero_stage": 2}),
+    ("dp zero3", "gpt-tiny", {"dp": 4}, {"zero_stage": 3}),
+    ("offload zero2", "gpt-tiny", {"dp": 4}, {"zero_stage": 2, "offload": True}),
+    ("tp2 x dp2 (h100-planned)", "gpt-tiny", {"dp": 2, "tp": 2}, {"hardware": "h100-sxm"}),
+    ("pp2 x dp2 1f1b m2", "gpt-tiny", {"dp": 2, "pp": 2}, {"n_microbatches": 2, "pins": {"schedule": "1f1b"}}),
+    ("ep4 moe-tiny", "moe-tiny", {"ep": 4}, {}),
+    ("recompute budget 0.0", "gpt-tiny", {"dp": 4}, {"memory_budget": 0.0}),
+    ("recompute budget 0.3", "gpt-tiny", {"dp": 4}, {"memory_budget": 0.3}),
+    ("bf16-mixed", "gpt-tiny-bf16", {"dp": 4}, {}),  # a bf16 model trains bf16-mixed by default
+]
+
+
+def _measure_all(rank, ws, only):
+    out = []
+    for name, model_name, axes, kw in STRATEGIES:
+        if only and name not in only:
+            continue
+        try:
+            out.append(_measure(rank, name, model_name, axes, kw))
+        except Exception as e:  # noqa: BLE001 - reported as a failed row; the other strategies still run
+            out.append({"name": name, "rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"})
+    return out
+
+
+def _measure(rank, name, model_name, axes, kw) -> dict:
+    t0 = time.perf_counter()
+    spec = get(model_name.removesuffix("-bf16"))
+    torch.manual_seed(0)
+    model = spec.build()
+    if model_name.endswith("-bf16"):
+        model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x0, _ = spec.example_batch(BATCH, seq_len=SEQ, generator=g)
+    pm = autopar.parallelize(model, autopar.mesh(**axes), example_inputs=x0, **kw)
+    del model  # what the program keeps of it is reachable from pm
+    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    batches = [spec.example_batch(BATCH, seq_len=SEQ, generator=g) for _ in range(2)]
+
+    def one(i):
+        pm.step(batches[i], spec.loss_fn)
+        opt.step()
+        opt.zero_grad()
+
+    one(0)  # creates the optimizer states
+    m = step_peak(lambda: one(1), pm, opt)
+    plan = pm.plan
+    est = estimate(pm.global_graph, plan, "cpu-gloo", batch_is_global=True)
+    pred = plan.predicted.get("estimate", plan.predicted)
+    pp_rank = pm.mesh.coords(rank).get("pp", 0) if "pp" in axes else None
+    if pp_rank is not None:
+        want = est.memory["peak_per_pp_rank"][pp_rank]
+        planned = pred["peak_bytes_per_pp_rank"][pp_rank]  # the stage search's walk (search/stages.py)
+    else:
+        want = est.memory["peak"] + est.memory["offloaded"]  # on a CPU the host is the same memory
+        planned = pred["peak_bytes"] + (est.memory["offloaded"] if pred.get("hardware") == "cpu-gloo" else 0.0)
+    return {"name": name, "rank": rank, "measured": m.peak, "alive": m.alive, "end": m.end, "low": m.low,
+            "want": want, "planned": planned, "planned_hw": pred.get("hardware"), "estimate_peak": est.memory["peak"],
+            "predicted_peak": pred.get("peak_bytes"), "seconds": time.perf_counter() - t0}
+
+
+def _table(rows) -> str:
+    lines = [f"{'strategy':<26} {'rank':>4} {'predicted MiB':>13} {'measured MiB':>12} {'error':>7}  "
+             f"{'alive MiB':>9}  plan.predicted MiB (hardware)"]
+    for r in rows:
+        lines.append(f"{r['name']:<26} {r['rank']:>4} {r['want'] / MiB:>13.3f} {r['measured'] / MiB:>12.3f} "
+                     f"{(r['want'] - r['measured']) / r['measured']:>+7.1%}  {r['alive'] / MiB:>9.3f}  "
+                     f"{r['planned'] / MiB:.3f} ({r['planned_hw']}{', stage search' if r['name'].startswith('pp') else ''})")
+    return "\n".join(lines)
+
+
+def test_predicted_peak_per_rank_matches_the_measured_step_peak_for_every_strategy():
+    t0 = time.perf_counter()
+    only = [x for x in os.environ.get("AUTOPAR_MEMORY_TRUTH_ONLY", "").split(",") if x]  # debugging: a subset
+    res = world(WS, _measure_all, only, timeout_s=600)
+    rows = [r for rank_rows in res for r in rank_rows if "error" not in r]
+    errors = [r for rank_rows in res for r in rank_rows if "error" in r]
+    rows.sort(key=lambda r: ([s[0] for s in STRATEGIES].index(r["name"]), r["rank"]))
+    print("\n" + _table(rows))
+    print(f"wall {time.perf_counter() - t0:.1f} s (world of {WS}, {len(STRATEGIES)} strategies)")
+    for r in errors:
+        print(f"{r['name']} rank {r['rank']}: {r['error']}")
+    assert not errors, f"{len(errors)} strategy runs failed: {sorted({r['name'] for r in errors})}"
+    assert len(rows) == WS * len(only or STRATEGIES)
+    # the replay never drops below nothing: every storage freed during the step was counted alive
+    assert all(r["low"] >= -r["alive"] for r in rows), [(r["name"], r["rank"]) for r in rows if r["low"] < -r["alive"]]
+    bad = [r for r in rows if abs(r["want"] - r["measured"]) > RTOL * r["measured"]]
+    assert not bad, "cost.estimate outside +-10% of the measured peak:\n" + _table(bad)
+    # plan.predicted of the plans made for this CPU mesh (no pipeline: see the module docstring)
+    # is the same estimate, so the same figure
+    for r in rows:
+        if r["planned_hw"] == "cpu-gloo" and not r["name"].startswith("pp"):
+            assert r["predicted_peak"] == pytest.approx(r["estimate_peak"], rel=1e-9), r["name"]
