@@ -1,6 +1,7 @@
 """The discrete choices of a joint plan, their enumeration, and what the cost model predicts.
 
-`Candidate` fixes the mesh (tp x pp x dp, x ep for MoE), the ZeRO stage, the number of
+`Candidate` fixes the mesh (tp x pp x dp, x ep for MoE, x cp with its attention exchange for
+models with attention), the ZeRO stage, the number of
 micro-batches and, with pp > 1, the pipeline schedule and its virtual stages per rank (`vpp`:
 searched for interleaved_1f1b, `virtual_choices`; fixed by the schedule otherwise,
 `SCHEDULE_VIRTUAL`); the continuous choices (every node's sharding, split points,
@@ -10,7 +11,11 @@ mesh and the model allow: tp at most the GPUs of a node, pp at most the pipeline
 x micro-batches dividing the global batch, ZeRO 1-3 only with dp > 1, interleaved schedules
 only with micro-batches divisible by pp, searched schedules `SEARCHED_SCHEDULES` (gpipe only
 when pinned), interleaved_1f1b with every v of `virtual_choices` up to the first whose ideal
-bubble (p - 1) / (v m) is under 1 % (or the "pp_virtual" pin).
+bubble (p - 1) / (v m) is under 1 % (or the "pp_virtual" pin). Context parallelism: cp = k for
+the divisors k of the world for which `model.context_options(k, tp)` (`search.plan_context`)
+gives an exchange (2k zigzag chunks divide the sequence; the cheaper method, or the pinned
+one), never with pp or ep (the runtime refuses them: `support["cp_with_pp"]`, `["cp_with_ep"]`),
+ZeRO 1-3 whenever dp x cp > 1 (the shards live on the joined dp+cp axis).
 
 `plain(x)`: numpy numbers and arrays as Python ones, tuples as lists (what json writes and reads
 back unchanged), for every report the search keeps.
@@ -45,10 +50,18 @@ class Candidate:
     micro: int = 1  # micro-batches per step
     schedule: str = "none"  # pipeline schedule ("none" when pp == 1)
     vpp: int = 0  # stages per pipeline rank for interleaved_1f1b (0: the schedule's default)
+    cp: int = 1  # context parallel: each rank holds 1/cp of every sequence
+    context: str = "none"  # the attention exchange over cp ("ring" | "ulysses"; "none" when cp == 1)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.ep
+        return self.tp * self.pp * self.dp * self.ep * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same parameters and average their gradients: dp x cp (the
+        joined dp+cp axis carries gradient sync and ZeRO shards)."""
+        return self.dp * self.cp
 
     @property
     def virtual(self) -> int:
@@ -64,18 +77,22 @@ class Candidate:
 
     def mesh(self) -> dict[str, int]:
         """Mesh axes of size > 1 in autopar's canonical order (pp outermost, tp innermost, so
-        that tp groups stay inside a node); {"dp": 1} for one device."""
-        m = {a: s for a, s in (("pp", self.pp), ("dp", self.dp), ("ep", self.ep), ("tp", self.tp)) if s > 1}
+        that tp groups stay inside a node; cp between ep and tp, `runtime.mesh.AXIS_ORDER`);
+        {"dp": 1} for one device."""
+        m = {a: s for a, s in (("pp", self.pp), ("dp", self.dp), ("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
+             if s > 1}
         return m or {"dp": 1}
 
     def dims(self) -> dict[str, Any]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "zero_stage": self.zero,
-                "n_microbatches": self.micro, "schedule": self.schedule}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "zero_stage": self.zero,
+                "n_microbatches": self.micro, "schedule": self.schedule, "context_method": self.context}
 
     def label(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}", f"dp={self.dp}"]
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}({self.context})")
         parts.append(f"ZeRO-{self.zero}")
         parts.append(f"{self.micro} micro-batch{'es' if self.micro > 1 else ''}")
         if self.pp > 1:
@@ -179,17 +196,21 @@ def _few_bubbles(vs: list[int], p: int, m: int) -> list[int]:
 def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping[str, bool]) -> list[Candidate]:
     """Every candidate of the outer search that the pins, the mesh and the model allow.
     `model`: the `plan_cost.PlanCostModel` (its tables: hw, L, blocks, global_batch, has_moe,
-    n_experts, gm); `support`: the planner's RUNTIME_SUPPORT flags."""
+    n_experts, gm, `context_options`); `support`: the planner's RUNTIME_SUPPORT flags."""
     hw = model.hw
     L = model.L
     G = model.global_batch
     eps = [1]
     if model.has_moe and support.get("ep"):
         eps += [e for e in _divisors(world) if e > 1 and model.n_experts % e == 0]
+    cps = [k for k in _divisors(world) if k > 1] if support.get("cp") and pins.get("cp", 0) != 1 else []
     tied = has_tied(model.gm)
-    # PipelineProgram sums a tied weight's stage gradients on .grad, which neither ZeRO 1-3 nor
-    # 16-bit parameters (masters elsewhere) keep: such pipelines are not planned
-    sixteen = (getattr(model, "precision", None) or {}).get("param_dtype") in ("bf16", "fp16")
+    # PipelineProgram refuses fp16 with loss scaling (every stage's engine would scale its own
+    # output gradients): no pipeline is planned for it; tied weights take ZeRO 1-3 and 16-bit
+    # masters under pp where the runtime supports it (runtime/pipeline_tied.py)
+    prec = getattr(model, "precision", None) or {}
+    sixteen = prec.get("param_dtype") in ("bf16", "fp16")
+    fp16_scaled = prec.get("param_dtype") == "fp16" and prec.get("loss_scale") is not None
     n_blocks = int(np.count_nonzero(np.asarray(getattr(model, "blocks", ())) > 0))
     out = []
     for t in _divisors(world):
@@ -198,44 +219,54 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
         for e in eps:
             if world % (t * e):
                 continue
-            for p in _divisors(world // (t * e)):
-                if p > L or (e > 1 and p > 1 and not support.get("ep_with_pp")):
-                    continue
-                d = world // (t * e * p)
-                if G % (d * e):
-                    continue
-                rows = G // (d * e)
-                zeros = [0, 1, 2, 3] if d > 1 else [0]
-                for m in _divisors(rows):
-                    for sched in (["none"] if p == 1 else
-                                  ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
-                        vs = [0]
-                        if sched == "interleaved_1f1b":
-                            vs = [pins["pp_virtual"]] if "pp_virtual" in pins else \
-                                _few_bubbles(virtual_choices(L, p, n_blocks), p, m)
-                        for v in vs:
-                            c0 = Candidate(t, p, d, e, 0, m, sched, v)
-                            if c0.n_stages > L or v == 1:
-                                continue
-                            if c0.virtual > 1 and m % p:
-                                continue
-                            if p > 1 and m < p and sched != "1f1b":
-                                continue  # fewer micro-batches than ranks: 1F1B is as good as any
-                            for z in zeros:
-                                if p > 1 and tied and (z or sixteen) and not support.get("zero_with_tied_pp"):
+            ctx = [(1, "none")]
+            if cps and (e == 1 or support.get("cp_with_ep")):
+                ctx += [(k, meth) for k in cps if (world // (t * e)) % k == 0
+                        for meth in model.context_options(k, t, pins.get("context_method"))]
+            for k, meth in ctx:
+                for p in _divisors(world // (t * e * k)):
+                    if p > L or (e > 1 and p > 1 and not support.get("ep_with_pp")):
+                        continue
+                    if k > 1 and p > 1 and not support.get("cp_with_pp"):
+                        continue
+                    d = world // (t * e * p * k)
+                    if G % (d * e):
+                        continue
+                    rows = G // (d * e)
+                    zeros = [0, 1, 2, 3] if d * k > 1 else [0]
+                    for m in _divisors(rows):
+                        for sched in (["none"] if p == 1 else
+                                      ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
+                            vs = [0]
+                            if sched == "interleaved_1f1b":
+                                vs = [pins["pp_virtual"]] if "pp_virtual" in pins else \
+                                    _few_bubbles(virtual_choices(L, p, n_blocks), p, m)
+                            for v in vs:
+                                c0 = Candidate(t, p, d, e, 0, m, sched, v, k, meth)
+                                if c0.n_stages > L or v == 1:
                                     continue
-                                c = replace(c0, zero=z)
-                                if _matches(c, pins):
-                                    out.append(c)
+                                if c0.virtual > 1 and m % p:
+                                    continue
+                                if p > 1 and m < p and sched != "1f1b":
+                                    continue  # fewer micro-batches than ranks: 1F1B is as good as any
+                                for z in zeros:
+                                    if p > 1 and (fp16_scaled or (tied and (z or sixteen)
+                                                                  and not support.get("zero_with_tied_pp"))):
+                                        continue
+                                    c = replace(c0, zero=z)
+                                    if _matches(c, pins):
+                                        out.append(c)
     return out
 
 
 def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:
-    for k, v in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("ep", c.ep), ("zero_stage", c.zero),
+    for k, v in (("tp", c.tp), ("pp", c.pp), ("dp", c.dp), ("ep", c.ep), ("cp", c.cp), ("zero_stage", c.zero),
                  ("n_microbatches", c.micro)):
         if k in pins and pins[k] != v:
             return False
     if "schedule" in pins and c.pp > 1 and pins["schedule"].lower().replace("-", "_") != c.schedule:
+        return False
+    if pins.get("context_method") not in (None, "auto") and c.cp > 1 and pins["context_method"] != c.context:
         return False
     if "pp_virtual" in pins and c.pp > 1 and c.virtual != pins["pp_virtual"]:
         return False

@@ -1,12 +1,15 @@
 """Explanations of a joint-planner decision: the report `plan_for` returns and its text.
 
 `PlanReport` holds the chosen candidate's predictions, the top-k alternatives with theirs,
-and for every dimension (tp, pp, dp, ep, ZeRO stage, micro-batches, schedule, sequence
+and for every dimension (tp, pp, dp, ep, cp, ZeRO stage, micro-batches, schedule, sequence
 parallelism, recompute) the values that were considered and why each lost to the chosen one:
 slower by so much (its best evaluated plan), provably slower (its lower bound already
 exceeded the chosen plan's time, so the search never costed it), or does not fit ("tp=4
 needs 91.2 GiB on a rank, the limit is 72 GiB"). It is plain data: `to_dict()` /
-`from_dict()` round-trip through JSON (the planner's cache stores it).
+`from_dict()` round-trip through JSON (the planner's cache stores it). The rows of the sequence
+parallelism, recompute and cp dimensions come from the cost model (`sequence_parallel_rows`,
+`recompute_rows`, `context_rows`: for cp the exchange chosen with both methods' exposed time
+and the activation saving, or what cp would have cost, or why the graph cannot take it).
 
 `render_plan(plan)` prints a Plan the planner made from the copy it keeps in
 `plan.extra["planner"]`: mesh, predicted step time, tokens/s, MFU, memory per rank by
@@ -22,7 +25,7 @@ from typing import Any
 
 from autopar.search.candidate import plain
 
-DIMENSIONS = ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches", "schedule")
+DIMENSIONS = ("tp", "pp", "dp", "ep", "cp", "zero_stage", "n_microbatches", "schedule")
 MEMORY_ORDER = ("params", "grads", "master", "optimizer", "buffers", "activations", "workspace", "comm_buffers",
                 "optimizer_step_temp", "peak", "limit")
 
@@ -78,10 +81,11 @@ class PlanReport:
         chosen = [r for r in rows if r["status"] == "chosen"]
         others = [r for r in rows if r["status"] != "chosen"]
         head = f"{dim}={chosen[0]['value']}" if chosen else f"{dim}"
+        own = chosen[0].get("reason") if chosen else ""
         if not others:
-            only = chosen[0].get("reason") if chosen else ""
-            return f"{head}: {only or 'the only value possible here'}"
-        return f"{head}: " + "; ".join(f"{dim}={r['value']} {r['reason']}" for r in others)
+            return f"{head}: {own or 'the only value possible here'}"
+        return f"{head}: " + (f"{own}; " if own else "") + "; ".join(f"{dim}={r['value']} {r['reason']}"
+                                                                   for r in others)
 
     def text(self) -> str:
         c = self.chosen
@@ -183,3 +187,80 @@ def dimension_rows(values: dict[Any, dict[str, Any]], chosen_value: Any, chosen_
 
 def _sort_key(v):
     return (0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, str(v))
+
+
+def sequence_parallel_rows(model: Any, chosen: Any) -> list[dict]:
+    """The sequence-parallel row of a report: what the sharding ILP of the chosen tp found.
+    `model`: the planner's cost model; `chosen`: its `Evaluation`."""
+    t = chosen.candidate.tp
+    if t == 1:
+        return []
+    info = model.sharding(t)
+    sp = info.sequence_parallel
+    sol = info.solution
+    gap = "n/a" if sol is None or sol.gap is None else f"{sol.gap:.2%}"
+    why = (f"the sharding ILP for tp={t} ({sol.status if sol else ''}, gap {gap}) found "
+           + ("all-gather / reduce-scatter pairs (sequence parallel) cheaper than all-reduces"
+              if sp else "all-reduces (no sequence parallelism) cheapest"))
+    return [{"value": "yes" if sp else "no", "status": "chosen", "reason": why, "step_s": chosen.step_s,
+             "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}]
+
+def recompute_rows(model: Any, chosen: Any, recompute: Any, limit: float) -> list[dict]:
+    """The recompute rows of a report: the blocks recomputed and, when some are, the same plan
+    without recompute (over the limit, or slower). `recompute`: the pin ("auto" ...)."""
+    n_blocks = int(model.blocks.sum())
+    k = len(chosen.recompute)
+    row = {"value": f"{k}/{n_blocks} blocks", "status": "chosen", "step_s": chosen.step_s,
+           "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}
+    if k == 0:
+        row["reason"] = (f"nothing recomputed: the plan fits with {gib(limit - chosen.peak_bytes)} to spare"
+                         if isinstance(recompute, str) and recompute in ("auto", "none")
+                         else "pinned")
+        return [row]
+    row["reason"] = ""
+    rows = [row]
+    try:
+        without = model.evaluate(chosen.candidate, limit, pins=chosen.split_points, recompute="none")
+    except ValueError:
+        without = None
+    if without is not None:
+        rows.append({"value": "none", "status": "no fit" if not without.feasible else "slower",
+                     "step_s": without.step_s, "peak_bytes": without.peak_bytes,
+                     "label": without.candidate.label(),
+                     "reason": (f"needs {gib(without.peak_bytes)} on a rank with this mesh, over the limit of "
+                                f"{gib(limit)}") if not without.feasible else
+                     f"fits but the chosen plan is faster overall"})
+    return rows
+
+
+def context_rows(model: Any, chosen: Any, rows: list[dict]) -> list[dict]:
+    """The cp rows of a report (`dimension_rows` for "cp") with why cp was or was not chosen:
+    for cp > 1 the exchange, both methods' exposed time and how much smaller each rank's
+    activations are; for cp = 1 what cp would cost (each other degree's time over the chosen
+    plan), or why the graph cannot take cp at all."""
+    c = chosen.candidate
+    out = [dict(r) for r in rows]
+    for r in out:
+        if r["status"] == "slower" and r.get("step_s") is not None:
+            r["reason"] = (f"would cost +{seconds(r['step_s'] - chosen.step_s)} a step at best "
+                           f"({(r['step_s'] / chosen.step_s - 1) * 100:.1f}% slower: {r['label']})")
+    row = next((r for r in out if r["status"] == "chosen"), None)
+    if row is None:
+        return out
+    if c.cp > 1:
+        entry = model.context_entry(c)
+        one = float(model.units(c.tp, chosen.rows_per_micro, 1).act.sum())
+        mine = float(model.units(c.tp, chosen.rows_per_micro, c.cp).act.sum())
+        row["reason"] = (f"{c.context} exchange: activations per rank {one / max(mine, 1.0):.2f}x smaller than "
+                         f"without cp ({gib(mine)} instead of {gib(one)} a micro-batch), exchange "
+                         f"{seconds(model.context_exposed(c))} exposed a step ({entry['notes'][0]})")
+    else:
+        refusal = model.context_refusal()
+        if refusal:
+            row["reason"] = f"cp not possible: {refusal}"
+        elif len(out) == 1:
+            row["reason"] = ("cp not chosen: no cp candidate (none whose 2 cp zigzag chunks divide the sequence "
+                             "with this world and these pins, or cp not allowed: `allow`)")
+        else:
+            row["reason"] = "cp not chosen" + (": the plan fits without it" if chosen.feasible else "")
+    return out

@@ -23,7 +23,7 @@ from autopar.search.candidate import plain
 
 __all__ = ["PLANNER_VERSION", "cache_key", "disk_get", "disk_put", "graph_fingerprint"]
 
-PLANNER_VERSION = 2  # 2: precision and offload priced
+PLANNER_VERSION = 3  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

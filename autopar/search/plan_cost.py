@@ -70,6 +70,8 @@ import numpy as np
 from autopar.cost.schedule import held_peaks, simulate, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
 from autopar.search.expert import ep_cost
+from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
+from autopar.search.plan_context import data_axis_name
 from autopar.search.plan_split import INF, SplitChain, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
 from autopar.search.shard_tables import ShardInfo
@@ -103,13 +105,13 @@ class PlanCostModel(PlanTables):
         divided by tp, the model states of tp = 1 divided by tp (padding aside, which the
         0.1 % slack covers)."""
         rows = self.rows_per_micro(c)
-        f0, b0, ef, eb = self.optimistic_units(c.tp, rows)
+        f0, b0, ef, eb = self.optimistic_units(c.tp, rows, c.cp)
         f, b = self._ep_adjusted(c, rows, f0, b0, ef, eb)
-        st = self.states(1, c.zero, c.dp, c.ep)
+        st = self.states(1, c.zero, c.replicas, c.ep)
         t = c.tp
         opt_tot = self._opt_time((st.total["master"] + st.total["optimizer"]) / t, st.total["params"] / t,
                                  st.total["grads"] / t, c, *self._offload_totals(st, t))
-        u1 = self.units(1, rows)
+        u1 = self.units(1, rows, c.cp)
         act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1, recompute)
         return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, sum(st.total.values()) / t * (1 - 1e-3), act)
 
@@ -138,14 +140,14 @@ class PlanCostModel(PlanTables):
         states and of the activations in flight (`_mem_bound`), recomputed where `recompute`,
         plus the working set and ZeRO 3's gathered units."""
         rows = self.rows_per_micro(c)
-        u = self.units(c.tp, rows)
-        st = self.states(c.tp, c.zero, c.dp, c.ep)
+        u = self.units(c.tp, rows, c.cp)
+        st = self.states(c.tp, c.zero, c.replicas, c.ep)
         f, b = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
         opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c,
                                  *self._offload_totals(st))
         act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u, recompute)
-        z3 = 2 * c.dp * float(st.gather.max()) if c.zero == 3 and c.dp > 1 else 0.0
-        fixed = self.workspace(c.tp, rows) + z3  # every rank's peak has these on top
+        z3 = 2 * c.replicas * float(st.gather.max()) if c.zero == 3 and c.replicas > 1 else 0.0
+        fixed = self.workspace(c.tp, rows, c.cp) + z3  # every rank's peak has these on top
         return self._time_bound(c, f, b, opt_tot, st), self._mem_bound(c, sum(st.total.values()), act) + fixed
 
     def _mem_bound(self, c: Candidate, states: float, act: float) -> float:
@@ -175,9 +177,9 @@ class PlanCostModel(PlanTables):
         m, p = c.micro, c.pp
         per = f + b
         F, B = float(f.sum()), float(b.sum())
-        z = c.zero if c.dp > 1 else 0
+        z = c.zero if c.replicas > 1 else 0
         fwd_min, bwd_min, after, sync = F, B, 0.0, 0.0
-        if st is not None and c.dp > 1:
+        if st is not None and c.replicas > 1:
             al = self.links(c)["dp"]
             gp = float(st.grad_payload.sum()) / div * (1 - 1e-3)
             ga = float(st.gather.sum()) / div * (1 - 1e-3)
@@ -194,7 +196,7 @@ class PlanCostModel(PlanTables):
         elif c.virtual == 1:
             gamma = 1.0 if c.schedule in ("1f1b", "gpipe") else float(np.min(np.where(per > 0, f / np.maximum(per, 1e-300), 1.0)))
             lb = max(lb, _chain_factor(m, p, gamma) * float(per.sum()))
-        return lb
+        return lb + self.context_exposed(c)  # the attention exchange is on top of every rank's step
 
     def _opt_time(self, master_opt: float, params: float, grads: float, c: Candidate, elems: float = 0.0,
                   host_mo: float = 0.0) -> float:
@@ -205,8 +207,8 @@ class PlanCostModel(PlanTables):
             return 0.0
         if self.offload:
             return sum(self._offload_parts(elems, host_mo, c.zero))
-        z = c.zero if c.dp > 1 else 0
-        nbytes = 2 * master_opt + params / (c.dp if z in (1, 2) else 1) + grads
+        z = c.zero if c.replicas > 1 else 0
+        nbytes = 2 * master_opt + params / (c.replicas if z in (1, 2) else 1) + grads
         return nbytes / (self.hw.device.memory_bandwidth * self.hw.eff("memory"))
 
     def _ep_terms(self, c: Candidate, rows: int) -> tuple[float, float, float]:
@@ -263,11 +265,11 @@ class PlanCostModel(PlanTables):
         if rows is None or rows < 1:
             raise ValueError(f"{c.label()}: the global batch of {self.global_batch} rows does not divide by "
                              f"dp x ep x micro-batches = {c.dp * c.ep * c.micro}")
-        u = self.units(c.tp, rows)
-        st = self.states(c.tp, c.zero, c.dp, c.ep)
+        u = self.units(c.tp, rows, c.cp)
+        st = self.states(c.tp, c.zero, c.replicas, c.ep)
         links = self.links(c)
         L, S, m, v = self.L, c.n_stages, c.micro, c.virtual
-        z = c.zero if c.dp > 1 else 0
+        z = c.zero if c.replicas > 1 else 0
         if S > L:
             raise ValueError(f"{c.label()}: {S} stages need at least {S} units, the model has {L}")
         # in-flight micro-batches per stage without building the step's schedule (exact for
@@ -284,11 +286,12 @@ class PlanCostModel(PlanTables):
         stages_of = [[s for s in range(S) if s2r[s] == r] for r in range(P)]
         # per-unit times per micro-batch, with ZeRO-3 gathers and expert parallelism
         f0, b0 = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
-        z3f, z3b = self._zero3_exposed(f0, b0, st, links) if z == 3 else (np.zeros(L), np.zeros(L))
+        z3f, z3b = zero3_exposed(f0, b0, st, links.get("dp")) if z == 3 else (np.zeros(L), np.zeros(L))
         F_u, B_u = f0 + z3f, b0 + z3b
-        ws = self.workspace(c.tp, rows)
-        fixed = ws + (2 * c.dp * float(st.gather.max()) if z == 3 else 0.0)  # ZeRO 3: a unit gathered + the next
-        trans_u = st.grad_payload * ((1 + 1 / c.dp) if z == 2 else 1.0) if z < 3 and c.dp > 1 else np.zeros(L)
+        ws = self.workspace(c.tp, rows, c.cp)
+        R = c.replicas  # ranks holding the same parameters (dp, x cp)
+        fixed = ws + (2 * R * float(st.gather.max()) if z == 3 else 0.0)  # ZeRO 3: a unit gathered + the next
+        trans_u = st.grad_payload * ((1 + 1 / R) if z == 2 else 1.0) if z < 3 and R > 1 else np.zeros(L)
         pp_link = links.get("pp")
         hop = np.array([pp_link.time("send_recv", float(x)) if pp_link is not None and x > 0 else 0.0
                         for x in u.cross]) if S > 1 else np.zeros(max(L - 1, 0))
@@ -328,6 +331,8 @@ class PlanCostModel(PlanTables):
             chosen_all = set()  # one stage per rank: as little recompute as fits the stage
             for s in range(S):
                 excess = base_st[s] + k_s[s] * base_a[s] + fixed - stage_limit[s]
+                if s == S - 1:  # the loss's backward (see the peak below); recompute frees both alike
+                    excess = max(excess, excess + self._loss_extra(c, rows, chain.categories(starts[s], ends[s]), ws))
                 blocks = [(x, float(k_s[s])) for x in range(starts[s], ends[s])]
                 chosen_all |= set(choose_recompute(blocks, u, self.blocks, excess, rc_pin, recompute, minimise))
         rc_units: dict[str, str] = {}
@@ -379,7 +384,9 @@ class PlanCostModel(PlanTables):
             best = held[r] if sched is not None else act_s[0]
             trans = sum(float(trans_u[starts[s]:ends[s]].sum()) for s in mine)
             adam = sum(chain.adam_range(starts[s], ends[s]) for s in mine)
+            at_loss = st_r[r] + best + fixed + self._loss_extra(c, rows, cats_r[r], ws) if S - 1 in mine else 0.0
             peak = max(st_r[r] + best + fixed,  # forward/backward: activations held, the working set
+                       at_loss,
                        st_r[r] + trans,  # end of backward: the flat gradient buffers (ZeRO 0-2)
                        st_r[r] + adam)  # the optimizer step's temporaries
             rank_peaks.append(peak)
@@ -416,11 +423,13 @@ class PlanCostModel(PlanTables):
         ep_sync = self._ep_terms(c, rows)[2]
         for r in range(P):
             mine = stages_of[r]
-            exposed, after, t_r, b_r = self._dp_sync(r, mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c)
+            exposed, after, t_r, b_r = dp_sync(mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c,
+                                               self.bucket_bytes)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
             step = max(step, ends_r[r] + exposed + after + ep_sync + opt_r[r])
             dp_exposed_max = max(dp_exposed_max, exposed + after)
+        step += self.context_exposed(c)  # the attention exchange's exposed part (cost.estimate adds the same)
         comm = self._comm_report(c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed_max, z3f,
                                  z3b, rows)
         flops = m * max(sum(float(u.flops[starts[s]:ends[s]].sum()) for s in stages_of[r]) for r in range(P))
@@ -451,48 +460,6 @@ class PlanCostModel(PlanTables):
                 pre_b += B_s[s]
         return lb
 
-    def _dp_sync(self, r, mine, starts, ends, B_s, B_u, end_r, st: UnitStates, dp_link, z, c):
-        """(exposed, after the step, time, bytes sent) of rank r's data-parallel gradient sync:
-        buckets as the runtime forms them (reverse order, the first at most FIRST_BUCKET_MB,
-        then bucket_mb), each synchronised once its last gradient is ready, one after another;
-        ZeRO 1/2's parameter all-gather after the step. ZeRO 3's comm is in the unit times."""
-        if c.dp < 2 or dp_link is None:
-            return 0.0, 0.0, 0.0, 0.0
-        if z == 3:
-            t = b = 0.0
-            for s in mine:
-                for x in range(starts[s], ends[s]):
-                    if st.gather[x] > 0:
-                        t += c.micro * (2 * dp_link.time("all_gather", float(st.gather[x]))
-                                        + dp_link.time("reduce_scatter", float(st.grad_payload[x])))
-                        b += c.micro * (2 * dp_link.bytes_sent("all_gather", float(st.gather[x]))
-                                        + dp_link.bytes_sent("reduce_scatter", float(st.grad_payload[x])))
-            return 0.0, 0.0, t, b
-        op = "all_reduce" if z < 2 else "reduce_scatter"
-        last = min(mine)  # the rank's stage whose backward ends last (the lowest)
-        t0 = end_r - B_s[last]
-        ready_at: list[tuple[float, float, float]] = []
-        for s in sorted(mine, reverse=True):
-            if s != last:  # earlier virtual stages: ready when the last one's backward starts
-                for x in range(ends[s] - 1, starts[s] - 1, -1):
-                    ready_at.append((t0, float(st.grad_payload[x]), float(st.gather[x])))
-        ready = t0
-        for x in range(ends[last] - 1, starts[last] - 1, -1):
-            ready += B_u[x]
-            ready_at.append((ready, float(st.grad_payload[x]), float(st.gather[x])))
-        free, after, t_all, b_all = t0, 0.0, 0.0, 0.0
-        for when, payload, gpay, n in _buckets(ready_at, self.bucket_bytes):
-            d = dp_link.time(op, payload)
-            free = max(free, when) + n * d  # n equal buckets ready together go one after another
-            t_all += n * d
-            b_all += n * dp_link.bytes_sent(op, payload)
-            if z >= 1 and gpay > 0:
-                g = n * dp_link.time("all_gather", gpay)
-                after += g
-                t_all += g
-                b_all += n * dp_link.bytes_sent("all_gather", gpay)
-        return max(0.0, free - end_r), after, t_all, b_all
-
     def _comm_report(self, c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed, z3f, z3b, rows):
         """Per axis, rank 0's bytes sent, time and exposed time per step."""
         m = c.micro
@@ -502,9 +469,13 @@ class PlanCostModel(PlanTables):
             t = m * sum(float(u.tp_comm[starts[s]:ends[s]].sum()) for s in mine)
             comm["tp"] = {"bytes_sent": m * sum(float(u.tp_bytes[starts[s]:ends[s]].sum()) for s in mine),
                           "time_s": t, "exposed_s": t}
-        if c.dp > 1:
+        if c.replicas > 1:
             z3 = m * sum(float((z3f + z3b)[starts[s]:ends[s]].sum()) for s in mine)
-            comm["dp"] = {"bytes_sent": dp_bytes, "time_s": dp_time, "exposed_s": dp_exposed + z3}
+            comm[data_axis_name(c)] = {"bytes_sent": dp_bytes, "time_s": dp_time, "exposed_s": dp_exposed + z3}
+        if c.cp > 1:  # the attention exchange, per step (search.context prices it)
+            e = self.context_entry(c)
+            t = self.context_exposed(c)
+            comm["cp"] = {"bytes_sent": float(e["bytes"][c.context] or 0.0), "time_s": t, "exposed_s": t}
         if c.pp > 1:
             nb = sum(float(u.cross[starts[s] - 1]) for s in range(1, len(starts)))
             comm["pp"] = {"bytes_sent": 2 * m * nb / c.pp, "time_s": 2 * m * sum(p2p) / c.pp,
@@ -518,6 +489,13 @@ class PlanCostModel(PlanTables):
                           "time_s": m * share * a2a + grad, "exposed_s": m * share * a2a + grad}
         return comm
 
+    def _loss_extra(self, c: Candidate, rows: int, cats: dict, ws: float) -> float:
+        """What the loss's backward (on the rank of the last stage) needs beyond the usual
+        forward/backward peak (states + held activations + the working set): its own working
+        set (`workspace(..., at_loss=True)`, the walk `cost.estimate` makes) in place of the
+        usual one, and no parameter gradient yet unless an earlier micro-batch made them."""
+        return self.workspace(c.tp, rows, c.cp, True) - ws - (cats["grads"] if c.micro == 1 else 0.0)
+
     def _recompute_pins(self, recompute: Any) -> dict[int, bool] | None:
         if isinstance(recompute, Mapping):
             idx = {n: i for i, n in enumerate(self.unit_names)}
@@ -526,25 +504,6 @@ class PlanCostModel(PlanTables):
                 raise ValueError(f"recompute pins {bad} are not units of this model; units: {self.unit_names[:6]} ...")
             return {idx[k]: v == "full" for k, v in recompute.items()}
         return None
-
-    def _zero3_exposed(self, fwd: np.ndarray, bwd: np.ndarray, st: UnitStates, links) -> tuple[np.ndarray, np.ndarray]:
-        """ZeRO-3 communication not hidden behind compute, per unit and micro-batch: forward,
-        unit x gathered while unit x-1 computes; backward, gathered again while x+1's backward
-        runs, its gradients reduce-scattered on the same stream."""
-        L = self.L
-        al = links.get("dp")
-        f_exp, b_exp = np.zeros(L), np.zeros(L)
-        if al is None:
-            return f_exp, b_exp
-        g = np.array([al.time("all_gather", float(x)) if x > 0 else 0.0 for x in st.gather])
-        rs = np.array([al.time("reduce_scatter", float(x)) if x > 0 else 0.0 for x in st.grad_payload])
-        for x in range(L):
-            prev = fwd[x - 1] if x > 0 else 0.0
-            f_exp[x] = max(0.0, g[x] - prev)
-            nxt = bwd[x + 1] if x + 1 < L else 0.0
-            b_exp[x] = max(0.0, g[x] + (rs[x + 1] if x + 1 < L else 0.0) - nxt)
-        b_exp[0] += rs[0]
-        return f_exp, b_exp
 
 
 def _chain_factor(m: int, S: int, gamma: float) -> float:
@@ -564,33 +523,4 @@ def _chain_factor(m: int, S: int, gamma: float) -> float:
     return max(1.0 / acc, m / S)
 
 
-def _buckets(ready: list[tuple[float, float, float]], caps: tuple[float, float]):
-    """Per-unit gradients (ready, sync, gather payloads) in buckets of caps[0] bytes, then caps[1];
-    yields (ready, payload, gather payload, count): `count` equal buckets in a row, as one run."""
-    cap = caps[0]
-    cur_t, cur_p, cur_g = 0.0, 0.0, 0.0
-    for when, p, g in ready:
-        if p <= 0:
-            continue
-        while p > 0:
-            if cur_p == 0 and cap == caps[1] and p >= 2 * cap:  # whole buckets of this unit, as one run
-                n = int(p // cap) - 1  # the last whole one goes through the general path below
-                share = g * (cap / p)
-                yield when, cap, share, n
-                p -= n * cap
-                g -= n * share
-                continue
-            room = cap - cur_p
-            take = min(p, room) if cur_p > 0 or p <= cap else cap
-            frac = take / p
-            cur_p += take
-            cur_g += g * frac
-            cur_t = when
-            p -= take
-            g -= g * frac
-            if cur_p >= cap * (1 - 1e-12):
-                yield cur_t, cur_p, cur_g, 1
-                cur_p = cur_g = 0.0
-                cap = caps[1]
-    if cur_p > 0:
-        yield cur_t, cur_p, cur_g, 1
+_buckets = buckets  # the name tests/unit/test_planner_moe_scale.py imports

@@ -1,6 +1,7 @@
 """The joint planner's pins: parts of a plan the user fixes, checked and put in one form.
 
-Pins (`PIN_KEYS`): "tp", "pp", "dp", "ep", "mesh" ({axis: size}, merged into the axis pins),
+Pins (`PIN_KEYS`): "tp", "pp", "dp", "ep", "cp", "mesh" ({axis: size}, merged into the axis pins),
+"context_method" ("ring" | "ulysses" | "auto": the attention exchange of a cp plan),
 "zero_stage" (0-3), "n_microbatches", "schedule" (a `cost.schedule.SCHEDULES` name, normalised
 to lower case with underscores), "pp_virtual" (stages per pipeline rank: interleaved_1f1b's v,
 searched otherwise; 2 admits zbv too, 1 the one-stage schedules), "split_points", "recompute" ("none", "full", "auto" or
@@ -18,10 +19,14 @@ from typing import Any, Mapping
 
 from autopar.cost.placements import Layout, Placement, parse_placement
 from autopar.cost.schedule import SCHEDULES
+from autopar.search.context import METHODS
 
-__all__ = ["PIN_KEYS", "normalise_pins", "world_size"]
+__all__ = ["AXES", "PIN_KEYS", "normalise_pins", "world_size"]
 
-PIN_KEYS = ("tp", "pp", "dp", "ep", "mesh", "zero_stage", "n_microbatches", "schedule", "pp_virtual", "split_points",
+AXES = ("tp", "pp", "dp", "ep", "cp")  # the mesh axes the planner factorises the world into
+
+PIN_KEYS = ("tp", "pp", "dp", "ep", "cp", "context_method", "mesh", "zero_stage", "n_microbatches", "schedule",
+            "pp_virtual", "split_points",
             "recompute", "param_layouts", "bucket_mb", "fusions")
 
 
@@ -36,7 +41,7 @@ def world_size(w: int | Mapping[str, int]) -> int:
 
 def normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
     """`pins` checked and in the planner's forms (see the module docstring); `w`: the world
-    size or the fixed mesh's axis sizes, which become tp / pp / dp / ep pins."""
+    size or the fixed mesh's axis sizes, which become tp / pp / dp / ep / cp pins."""
     out = dict(pins or {})
     unknown = [k for k in out if k not in PIN_KEYS]
     if unknown:
@@ -45,14 +50,14 @@ def normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
     if isinstance(w, Mapping):
         mesh = {**dict(w), **mesh}
     if mesh:
-        bad = [a for a in mesh if a not in ("tp", "pp", "dp", "ep")]
+        bad = [a for a in mesh if a not in AXES]
         if bad:
-            raise ValueError(f"mesh axes {bad} cannot be planned; use tp, pp, dp, ep")
-        for a in ("tp", "pp", "dp", "ep"):
+            raise ValueError(f"mesh axes {bad} cannot be planned; use tp, pp, dp, ep, cp")
+        for a in AXES:
             if a in mesh and a in out and out[a] != mesh[a]:
                 raise ValueError(f"pins say {a}={out[a]} but the mesh says {a}={mesh[a]}")
             out.setdefault(a, int(mesh.get(a, 1)))
-    for a in ("tp", "pp", "dp", "ep", "zero_stage", "n_microbatches", "pp_virtual"):
+    for a in AXES + ("zero_stage", "n_microbatches", "pp_virtual"):
         if a in out and (not isinstance(out[a], int) or out[a] < (0 if a == "zero_stage" else 1)):
             raise ValueError(f"pin {a}={out[a]!r} must be a positive integer" + (" (0-3)" if a == "zero_stage" else ""))
     if "zero_stage" in out and out["zero_stage"] not in (0, 1, 2, 3):
@@ -73,6 +78,8 @@ def normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
                 p = parse_placement(str(lay)) if isinstance(lay, str) else lay
             pp[name] = p
         out["param_layouts"] = pp
+    if "context_method" in out and out["context_method"] not in METHODS:
+        raise ValueError(f"pin context_method={out['context_method']!r} is unknown; choose one of {list(METHODS)}")
     rc = out.get("recompute")
     if rc is not None and not isinstance(rc, Mapping) and rc not in ("none", "full", "auto"):
         raise ValueError(f"pin recompute={rc!r} must be 'none', 'full', 'auto' or {{module path: 'full'|'none'}}")

@@ -14,7 +14,8 @@ search over thousands of candidates on a 70B graph costs seconds:
                    storage's memory divisor (`Plan.node_layouts`, applied as `cost.estimate`
                    applies them), the parameters' layouts, and the conversions the shard pass
                    will insert (one per producer, placement and partial gradient).
-  per (t, b)       for every pipeline unit at b rows per micro-batch: forward and backward
+  per (t, b, cp)   for every pipeline unit at b rows per micro-batch (s / cp tokens a row,
+                   `search.plan_context`): forward and backward
                    seconds (cost.estimate's roofline timer, TP divisors applied), the tensor-
                    parallel conversions at b rows (blocking, half forward, half backward),
                    saved-activation bytes (TP-divided; each storage charged to the unit that
@@ -33,8 +34,8 @@ search over thousands of candidates on a 70B graph costs seconds:
                    ranks; expert parameters (`search.expert_detect.detect_moe`) divided over e
                    expert-parallel ranks. A parameter read by several units is
                    kept apart (`UnitStates.shared`), to be counted on every stage that reads it.
-  per mesh         the axes' links (`cost.comm.axis_links`, times and bytes memoised per
-                   payload); per (schedule, pp, micro-batches) the step's schedule
+  per mesh         the axes' links (`search.plan_context`: `cost.comm.axis_links`, times and
+                   bytes memoised per payload, dp joined with cp); per (schedule, pp, micro-batches) the step's schedule
                    (`cost.schedule.make_schedule`).
 
 node.meta: reads `val` of the placeholders (the captured rows of a batch, the tokens in a row)
@@ -60,7 +61,8 @@ from autopar.cost import analyze, evaluate, liveness, load_profile
 from autopar.cost.comm import axis_links
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
-from autopar.cost.memory import (OptimizerSpec, device_resident, offload_step_seconds, padded_numel, plan_states,
+from autopar.cost.memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, device_resident, offload_step_seconds,
+                                 padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
 from autopar.cost.placements import Layout, Placement, conversion_bytes, conversion_time
@@ -71,6 +73,7 @@ from autopar.passes.rules.sharding import requires_grad_nodes
 from autopar.passes.split_pipeline import pipeline_units
 from autopar.search.candidate import Candidate
 from autopar.search.expert_detect import detect_moe
+from autopar.search.plan_context import ContextTables
 from autopar.search.shard_tables import ShardInfo, shard_info
 from autopar.search.stages import cross_bytes
 
@@ -97,6 +100,7 @@ class UnitCosts:
     expert_f: np.ndarray  # the dense expert computation inside fwd / bwd (replaced under ep)
     expert_b: np.ndarray
     workspace: float | None = None
+    loss_workspace: float | None = None
 
 
 @dataclass
@@ -112,7 +116,7 @@ class UnitStates:
     host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
 
 
-class PlanTables:
+class PlanTables(ContextTables):
     """The per-graph tables of `plan_cost.PlanCostModel` (see the module docstring), each
     computed on first use and cached. The constructor is the model's: its arguments are
     documented on `PlanCostModel`."""
@@ -155,6 +159,7 @@ class PlanTables:
         self._scheds: dict[tuple, Any] = {}
         self._split_cache: dict[tuple, Any] = {}
         self.ilp_seconds = 0.0
+        self.context_facts()  # before any table reads a size: a guard on the sequence would specialise it
 
     # ------------------------------------------------------------------ graph structure
     def _captured_rows(self) -> int | None:
@@ -172,8 +177,8 @@ class PlanTables:
         for n in self.gm.graph.nodes:
             v = n.meta.get("val")
             if n.op == "placeholder" and isinstance(v, torch.Tensor):
-                if not v.dtype.is_floating_point and v.dim() >= 2:
-                    return float(math.prod(int(d) for d in v.shape[1:])), "tokens"
+                if not v.dtype.is_floating_point and v.dim() >= 2:  # hints: int() would specialise a symbolic size
+                    return float(math.prod(d if isinstance(d, int) else int(d.node.hint) for d in v.shape[1:])), "tokens"
                 return 1.0, "samples"
         return 1.0, "samples"
 
@@ -259,14 +264,6 @@ class PlanTables:
     def has_moe(self) -> bool:
         return self.n_experts > 1
 
-    def links(self, c: Candidate) -> dict:
-        mesh = c.mesh()
-        key = tuple(mesh.items())
-        hit = self._links.get(key)
-        if hit is None:
-            hit = self._links[key] = {a: _MemoLink(al) for a, al in axis_links(self.hw, mesh).items()}
-        return hit
-
     # ------------------------------------------------------------------ sharding per tp degree
     def sharding(self, t: int) -> ShardInfo:
         """The sharding ILP's plan for tp = t (solved once per t; t = 1: everything replicated)."""
@@ -285,14 +282,16 @@ class PlanTables:
             return None
         return self.global_batch // per
 
-    def units(self, t: int, rows: int) -> UnitCosts:
-        key = (t, rows)
+    def units(self, t: int, rows: int, cp: int = 1) -> UnitCosts:
+        """Per-unit costs at tp = t, `rows` per micro-batch, s / cp tokens per sequence
+        (`plan_context`: an attention call costs cp x its time at s / cp)."""
+        key = (t, rows, cp)
         hit = self._units.get(key)
         if hit is not None:
             return hit
         gc, L = self.gc, self.L
         info = self.sharding(t)
-        values = self._values(rows)
+        values = self._values(rows, cp)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
         timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
         fwd, bwd, act, flops = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
@@ -315,13 +314,14 @@ class PlanTables:
                 continue
             for nc, d, is_exp, saved in items[u]:
                 f, b = timer.node(nc, d)
-                fwd[u] += f
-                bwd[u] += b
+                k = cp if cp > 1 and "scaled_dot_product_attention" in nc.op else 1  # against every chunk
+                fwd[u] += f * k
+                bwd[u] += b * k
                 if is_exp:
                     ef[u] += f
                     eb[u] += b
                 if nc.cost.kind not in ("none", "view", "comm"):
-                    flops[u] += (ev(nc.cost.flops) + ev(nc.bwd_flops)) / d
+                    flops[u] += k * (ev(nc.cost.flops) + ev(nc.bwd_flops)) / d
                 for nb, md in saved:
                     act[u] += ev(nb) / md
         fwd, bwd, act, flops, ef, eb = (x * scale for x in (fwd, bwd, act, flops, ef, eb))
@@ -331,14 +331,14 @@ class PlanTables:
             link = axis_links(self.hw, {"dp": max(self.world // t, 1), "tp": t})["tp"]
             memo: dict = {}
             for unit, src, dst, pg, c0, c1 in info.conversions:
-                nb = c0 + c1 * rows
+                nb = c0 + c1 * rows / cp  # the per-row part is activations: s / cp tokens
                 k2 = (src, dst, pg, nb)
                 tm = memo.get(k2)
                 if tm is None:
                     tm = memo[k2] = conversion_time(src, dst, pg, nb, link, t, self.hw.kernel_overhead_s)
                 tpc[unit] += tm
                 tp_bytes[unit] += conversion_bytes(src, dst, pg, nb, t)
-        cross = self.cross_c0 + self.cross_c1 * rows
+        cross = self.cross(rows, cp)
         cross_in = np.concatenate([[0.0], cross])
         rc_save = np.where(self.blocks > 0, np.maximum(act - cross_in, 0.0), 0.0)
         rc_time = np.where(self.blocks > 0, fwd + tpc / 2, 0.0)
@@ -346,11 +346,29 @@ class PlanTables:
         self._units[key] = out
         return out
 
-    def _values(self, rows: int) -> dict[str, int]:
-        """Symbol values with the batch at `rows`, keyed by name (cost.evaluate compares
-        symbols by name, and a str key is much cheaper to name than a sympy Symbol)."""
-        vals = self.gc.values({"b": rows}) if self.symbolic_batch else self.gc.values()
-        return {str(k): v for k, v in vals.items()}
+    def _values(self, rows: int, cp: int = 1) -> dict[str, int]:
+        """Symbol values with the batch at `rows` and the sequence at s / cp, keyed by name
+        (cost.evaluate compares symbols by name, and a str key is much cheaper to name than a
+        sympy Symbol)."""
+        return self.values_at({"b": rows} if self.symbolic_batch else {}, cp)
+
+    def cross(self, rows: int, cp: int = 1) -> np.ndarray:
+        """Bytes crossing each unit boundary at `rows` per micro-batch and s / cp tokens."""
+        if cp == 1:
+            return self.cross_c0 + self.cross_c1 * rows
+        key = ("cross", cp)
+        hit = self._split_cache.get(key)
+        if hit is None:
+            units = pipeline_units(self.gm)
+            at = lambda b: np.array(cross_bytes(self.gm, self.gc, units, {"b": b, "s": self.seq_len() // cp}, 1.0))  # noqa: E731
+            if self.symbolic_batch:
+                one, two = at(1), at(2)
+                hit = (2 * one - two, two - one)
+            else:
+                hit = (np.zeros(max(self.L - 1, 0)), np.array(cross_bytes(
+                    self.gm, self.gc, units, {"s": self.seq_len() // cp}, 1.0)) / (self.captured_rows or 1))
+            self._split_cache[key] = hit
+        return hit[0] + hit[1] * rows
 
     def _unit_items(self, t: int):
         """Per unit its nodes with their compute divisor, expert flag and the saved storages it
@@ -379,52 +397,58 @@ class PlanTables:
             hit = self._split_cache[key] = (items, rep)
         return hit
 
-    def optimistic_units(self, t: int, rows: int) -> tuple[np.ndarray, ...]:
+    def optimistic_units(self, t: int, rows: int, cp: int = 1) -> tuple[np.ndarray, ...]:
         """Per unit (forward, backward, their expert parts) seconds per micro-batch with every
-        node's work divided by t: no sharding does better, and it needs no ILP."""
-        key = ("optimistic", t, rows)
+        node's work divided by t (s / cp tokens): no sharding does better, and it needs no ILP."""
+        key = ("optimistic", t, rows, cp)
         hit = self._split_cache.get(key)
         if hit is not None:
             return hit
-        values = self._values(rows)
+        values = self._values(rows, cp)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
         timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
         L = self.L
         f_, b_, ef, eb = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
         for nc, u, is_exp in zip(self.gc.nodes, self.node_unit, self.expert_node):
             f, b = timer.node(nc, t)
-            f_[u] += f
-            b_[u] += b
+            k = cp if cp > 1 and "scaled_dot_product_attention" in nc.op else 1
+            f_[u] += f * k
+            b_[u] += b * k
             if is_exp:
                 ef[u] += f
                 eb[u] += b
         hit = self._split_cache[key] = tuple(x * scale for x in (f_, b_, ef, eb))
         return hit
 
-    def workspace(self, t: int, rows: int) -> float:
-        """Liveness peak beyond the saved tensors (activation gradients, temporaries, logits).
+    def workspace(self, t: int, rows: int, cp: int = 1, at_loss: bool = False) -> float:
+        """Liveness peak beyond the saved tensors (activation gradients, temporaries, logits),
+        the outputs held through backward as `model.step` holds them. `at_loss`: the walk with
+        the cross-entropy loss's own tensors (`cost.memory.CROSS_ENTROPY`, what `cost.estimate`
+        walks), whose peak is at the loss's backward, before any parameter gradient exists.
         The walk is exact at 1 row and at the most rows any plan of this world gives a micro-
         batch; in between the chord (the peak is a maximum of sums linear in the rows, so
         convex in them, and the chord lies above it: never an underestimate)."""
-        u = self.units(t, rows)
-        if u.workspace is None:
+        u = self.units(t, rows, cp)
+        attr = "loss_workspace" if at_loss else "workspace"
+        if getattr(u, attr, None) is None:
             hi = self.max_rows
             if not self.symbolic_batch or rows in (1, hi) or hi <= 1:
-                u.workspace = self._liveness_extra(t, rows)
+                w = self._liveness_extra(t, rows, cp, at_loss)
             else:
-                w1, wh = self._liveness_extra(t, 1), self._liveness_extra(t, hi)
-                u.workspace = w1 + (wh - w1) * (rows - 1) / (hi - 1)
-        return u.workspace
+                w1, wh = self._liveness_extra(t, 1, cp, at_loss), self._liveness_extra(t, hi, cp, at_loss)
+                w = w1 + (wh - w1) * (rows - 1) / (hi - 1)
+            setattr(u, attr, w)
+        return getattr(u, attr)
 
-    def _liveness_extra(self, t: int, rows: int) -> float:
-        key = ("live", t, rows)
+    def _liveness_extra(self, t: int, rows: int, cp: int = 1, at_loss: bool = False) -> float:
+        key = ("live", t, rows, cp, at_loss)
         hit = self._split_cache.get(key)
         if hit is None:
             info = self.sharding(t)
-            values = self._values(rows)
+            values = self._values(rows, cp)
             scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
             live = liveness(self.gc, values, param_grad_bytes={p.key: 0.0 for p in self.gc.params if p.key is not None},
-                            storage_divisor=info.mem_div)
+                            storage_divisor=info.mem_div, loss=CROSS_ENTROPY if at_loss else HELD_OUTPUTS)
             hit = self._split_cache[key] = max(0.0, live.peak - live.saved) * scale
         return hit
 
@@ -560,28 +584,3 @@ class PlanTables:
             v = c.virtual
             hit = self._scheds[key] = make_schedule(c.schedule, c.pp, c.micro, v if v > 1 else None)
         return hit
-
-
-class _MemoLink:
-    """An `AxisLink` whose times and bytes are memoised (the search asks for the same few
-    payloads many times)."""
-
-    def __init__(self, al):
-        self.al = al
-        self.axis, self.size = al.axis, al.size
-        self._t: dict = {}
-        self._b: dict = {}
-
-    def time(self, op: str, nbytes: float) -> float:
-        key = (op, nbytes)
-        t = self._t.get(key)
-        if t is None:
-            t = self._t[key] = self.al.time(op, nbytes)
-        return t
-
-    def bytes_sent(self, op: str, nbytes: float) -> float:
-        key = (op, nbytes)
-        b = self._b.get(key)
-        if b is None:
-            b = self._b[key] = self.al.bytes_sent(op, nbytes)
-        return b

@@ -44,6 +44,9 @@ def plan_text(pm) -> str:
     t.add_row("micro-batches", str(plan.n_microbatches))
     t.add_row("tensor parallel", "none" if not plan.param_layouts else f"{len(plan.param_layouts)} sharded params")
     t.add_row("pipeline", "none" if not plan.split_points else f"{len(plan.split_points) + 1} stages, {plan.schedule}")
+    ctx = plan.extra.get("context") or {}
+    cp = plan.mesh.get(ctx.get("axis", "cp"), 1)
+    t.add_row("context parallel", f"cp={cp}, {ctx.get('method')} exchange" if cp > 1 and ctx else "none")
     t.add_row("capture", str(pm.capture_info.get("path", "?")))
     n_params = sum(p.numel() for p in pm.program.module.parameters())
     t.add_row("parameters on a rank", f"{n_params:,}")

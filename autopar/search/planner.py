@@ -5,7 +5,10 @@ time whose every rank fits in memory, and a `PlanReport` saying why. The search 
 hierarchical:
 
   outer   enumeration of the discrete choices: the factorisation of the world into
-          tp x pp x dp (x ep when the model has MoE blocks and expert parallelism can run),
+          tp x pp x dp (x ep when the model has MoE blocks and expert parallelism can run; x cp,
+          context parallelism, when the graph has attention and a symbolic sequence that 2 cp
+          zigzag chunks divide, without pp or ep, with its exchange: the cheaper of ring and
+          Ulysses, `search.plan_context`),
           tp at most the GPUs of a node (tp innermost on the mesh, so its groups share one);
           the ZeRO stage (0-3 when dp > 1); the number of micro-batches (a divisor of the rows
           each dp rank gets); with pp > 1 the schedule (1f1b, interleaved_1f1b, zb_h1, zbv;
@@ -36,9 +39,10 @@ limits) in memory and, with `cache_dir` (or AUTOPAR_PLAN_CACHE=dir), on disk as 
 
 The parts live beside this file: the candidates and their enumeration (`search.candidate`),
 their cost model (`search.plan_cost` on `search.plan_tables`), the pins (`search.plan_pins`),
-the cache (`search.plan_cache`), the report (`search.explain`). This file runs the search.
+the cache (`search.plan_cache`), the report (`search.explain`), the Plan written for the chosen
+candidate (`search.plan_write`). This file runs the search.
 
-Pins (`pins=`): "tp", "pp", "dp", "ep", "mesh" ({axis: size}), "zero_stage",
+Pins (`pins=`): "tp", "pp", "dp", "ep", "cp", "context_method", "mesh" ({axis: size}), "zero_stage",
 "n_microbatches", "schedule", "split_points" (unit names where stages start: all of them, or
 some and the search places the rest), "recompute" ("none", "full" or {unit: "full"|"none"}),
 "param_layouts" ({name: Layout or tp placement}: pins for the sharding ILP), "bucket_mb",
@@ -71,14 +75,15 @@ from typing import Any, Iterable, Mapping
 import torch.fx as fx
 
 from autopar.cost import load_profile
-from autopar.cost.placements import Layout
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import brief_names
-from autopar.search.candidate import Candidate, Evaluation, candidates, has_tied, plain
-from autopar.search.explain import DIMENSIONS, PlanReport, dimension_rows, gib, seconds
+from autopar.search.candidate import Candidate, Evaluation, candidates, plain
+from autopar.search.explain import (DIMENSIONS, PlanReport, context_rows, dimension_rows, gib, recompute_rows, seconds,
+                                   sequence_parallel_rows)
 from autopar.search.plan_cache import PLANNER_VERSION, cache_key, disk_get, disk_put, graph_fingerprint
 from autopar.search.plan_cost import PlanCostModel
 from autopar.search.plan_pins import normalise_pins, world_size
+from autopar.search.plan_write import write_plan
 
 __all__ = ["plan_for", "PlanReport", "candidates", "graph_fingerprint", "RUNTIME_SUPPORT", "PLANNER_VERSION",
            "clear_cache"]
@@ -90,12 +95,15 @@ DEFAULT_HEADROOM = 0.9  # of the device's memory, as the stage search: workspace
 RUNTIME_SUPPORT = {
     "ep": importlib.util.find_spec("autopar.passes.expert") is not None,
     "recompute_with_pp": True,  # pipeline_build runs the recompute pass stage by stage
-    "zero_with_tied_pp": False,  # PipelineProgram: tied weights across stages need ZeRO 0
+    "zero_with_tied_pp": True,  # runtime/pipeline_tied.py sums tied gradients on the engines' masters
     "ep_with_pp": True,  # PipelineProgram splits the batch over dp x ep (tests/dist/test_ep_pipeline.py)
     "recompute_with_ep": False,  # api.parallelize: the recompute search finds no block after the expert pass
     # selective checkpoint regions allow one backward; zb_h1 / zbv run input and weight gradients
     # as two (torch: "Trying to backward an extra time ... selective activation checkpoint")
     "recompute_with_split_backward": False,
+    "cp": True,  # context parallelism (ring / Ulysses) on dp, ZeRO and tp: tests/dist/test_context_parallel.py
+    "cp_with_pp": False,  # build/plan_check.py refuses cp with pp (stage programs are cut before the cp passes)
+    "cp_with_ep": False,  # and with ep (the expert dispatch counts tokens along dim 0, cp splits the sequence)
 }
 SPLIT_BACKWARD = ("zb_h1", "zbv")
 
@@ -227,7 +235,7 @@ class _Search:
     # --- bookkeeping per dimension value, for the explanations ----------------------------------
     def _rec(self, c: Candidate) -> Iterable[dict[str, Any]]:
         for dim, v in c.dims().items():
-            if dim == "schedule" and c.pp == 1:
+            if (dim == "schedule" and c.pp == 1) or dim not in self.records:  # the method: in the cp rows
                 continue
             yield self.records[dim].setdefault(v, {})
 
@@ -349,7 +357,7 @@ class _Search:
             self._note_fit(ev)
         chosen = best[0]
         report = self._report(chosen, best, time.perf_counter() - t_start)
-        plan = self._plan(chosen, report)
+        plan = write_plan(self, chosen, report)
         return plan, report
 
     def model_optimistic(self, c: Candidate) -> tuple[float, float]:
@@ -421,14 +429,22 @@ class _Search:
     # --- failure messages -----------------------------------------------------------------------
     def _no_candidates_message(self) -> str:
         m, pins = self.model, self.pins
-        fixed = ", ".join(f"{k}={v}" for k, v in pins.items() if k in ("tp", "pp", "dp", "ep", "zero_stage",
-                                                                         "n_microbatches", "schedule", "split_points"))
-        return (f"no plan of {self.world} ranks matches the pins {fixed}: tp x pp x dp x ep must equal {self.world}, "
+        fixed = ", ".join(f"{k}={v}" for k, v in pins.items() if k in ("tp", "pp", "dp", "ep", "cp", "zero_stage",
+                                                                         "n_microbatches", "schedule", "split_points",
+                                                                         "context_method"))
+        return (f"no plan of {self.world} ranks matches the pins {fixed}: tp x pp x dp x ep x cp must equal "
+                f"{self.world}, "
                 f"tp at most {m.hw.gpus_per_node} (GPUs per node), pp at most {m.L} (pipeline units), dp x ep x "
                 f"micro-batches must divide the global batch of {m.global_batch} rows, interleaved schedules need "
                 f"micro-batches divisible by pp"
-                + ("; a model with tied weights gets pp > 1 only at ZeRO 0 in full precision (the pipeline sums "
-                   "their stage gradients on .grad)" if "pp" in pins and pins["pp"] > 1 and has_tied(m.gm) else "")
+                + ("; fp16 with loss scaling gets no pipeline (each stage's engine would scale its own output "
+                   "gradients): use bf16-mixed with pp" if "pp" in pins and pins["pp"] > 1
+                   and (m.precision or {}).get("param_dtype") == "fp16"
+                   and (m.precision or {}).get("loss_scale") is not None else "")
+                + (f"; cp={pins['cp']} runs only without pp and ep, on a sequence of {m.seq_len()} tokens that "
+                   f"{2 * pins['cp']} zigzag chunks divide, Ulysses only where the query heads per tp rank divide by cp"
+                   + (f" ({m.context_refusal()})" if m.context_refusal() else "")
+                   if pins.get("cp", 1) > 1 else "")
                 + ". Change or drop a pin")
 
     def _infeasible_message(self) -> str:
@@ -471,8 +487,10 @@ class _Search:
                 continue
             dims[dim] = dimension_rows(vals, chosen.candidate.dims()[dim] if not (dim == "schedule" and
                                        chosen.candidate.pp == 1) else None, chosen.step_s, self.limit, dim)
-        dims["sequence_parallel"] = self._sp_rows(chosen)
-        dims["recompute"] = self._recompute_rows(chosen)
+        dims["sequence_parallel"] = sequence_parallel_rows(self.model, chosen)
+        dims["recompute"] = recompute_rows(self.model, chosen, self.recompute, self.limit)
+        if "cp" in dims:
+            dims["cp"] = context_rows(self.model, chosen, dims["cp"])
         unit = self.model.tokens_per_row()[1]
         as_dict = []
         for e in best:
@@ -485,99 +503,8 @@ class _Search:
         return PlanReport(chosen=chosen_d, alternatives=as_dict, dimensions=dims, search=dict(self.stats),
                           hardware=self.hw.name, memory_limit=self.limit, world_size=self.world, notes=self.notes[:20])
 
-    def _sp_rows(self, chosen: Evaluation) -> list[dict]:
-        t = chosen.candidate.tp
-        if t == 1:
-            return []
-        info = self.model.sharding(t)
-        sp = info.sequence_parallel
-        sol = info.solution
-        gap = "n/a" if sol is None or sol.gap is None else f"{sol.gap:.2%}"
-        why = (f"the sharding ILP for tp={t} ({sol.status if sol else ''}, gap {gap}) found "
-               + ("all-gather / reduce-scatter pairs (sequence parallel) cheaper than all-reduces"
-                  if sp else "all-reduces (no sequence parallelism) cheapest"))
-        return [{"value": "yes" if sp else "no", "status": "chosen", "reason": why, "step_s": chosen.step_s,
-                 "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}]
 
-    def _recompute_rows(self, chosen: Evaluation) -> list[dict]:
-        n_blocks = int(self.model.blocks.sum())
-        k = len(chosen.recompute)
-        row = {"value": f"{k}/{n_blocks} blocks", "status": "chosen", "step_s": chosen.step_s,
-               "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}
-        if k == 0:
-            row["reason"] = (f"nothing recomputed: the plan fits with {gib(self.limit - chosen.peak_bytes)} to spare"
-                             if isinstance(self.recompute, str) and self.recompute in ("auto", "none")
-                             else "pinned")
-            return [row]
-        row["reason"] = ""
-        rows = [row]
-        try:
-            without = self.model.evaluate(chosen.candidate, self.limit, pins=chosen.split_points, recompute="none")
-        except ValueError:
-            without = None
-        if without is not None:
-            rows.append({"value": "none", "status": "no fit" if not without.feasible else "slower",
-                         "step_s": without.step_s, "peak_bytes": without.peak_bytes,
-                         "label": without.candidate.label(),
-                         "reason": (f"needs {gib(without.peak_bytes)} on a rank with this mesh, over the limit of "
-                                    f"{gib(self.limit)}") if not without.feasible else
-                         f"fits but the chosen plan is faster overall"})
-        return rows
-
-    def _plan(self, ev: Evaluation, report: PlanReport) -> Plan:
-        c = ev.candidate
-        mesh = c.mesh()
-        axes = tuple(mesh)
-        plan = Plan(mesh=mesh, dp_axis="dp" if "dp" in mesh else None, zero_stage=c.zero if c.dp > 1 else 0,
-                    n_microbatches=c.micro, bucket_mb=float(self.pins.get("bucket_mb", 25.0)),
-                    **self.model.precision)  # what was priced is what runs
-        if c.tp > 1:
-            info = self.model.sharding(c.tp)
-            sol = info.solution
-            plan.strategies["tp"] = dict(info.strategies)
-            for name, p in info.param_placements.items():
-                plan.param_layouts[name] = Layout.replicated(axes).replace("tp", p)
-            for key, p in info.node_placements.items():
-                plan.node_layouts[key] = Layout.replicated(axes).replace("tp", p)
-            plan.extra["shard"] = {"tp": {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "gap": sol.gap,
-                                          "status": sol.status}}
-            plan.notes.append(sol.summary().replace(f", {sol.seconds:.2f} s;", ";"))  # no timings in a plan
-        if c.pp > 1:
-            plan.schedule = c.schedule
-            plan.split_points = list(ev.split_points)
-            if c.virtual > 1 and c.schedule == "interleaved_1f1b":
-                plan.extra["pp_virtual"] = c.virtual
-        if ev.recompute:
-            plan.recompute = {u: "full" for u in sorted(ev.recompute, key=self.model.unit_names.index)}
-        elif isinstance(self.recompute, Mapping):
-            plan.recompute = dict(self.recompute)
-        fus = self.pins.get("fusions")
-        plan.fusions = list(fus) if fus is not None else self._fusions(c)
-        try:
-            load_profile(self.hw.name)
-            plan.extra["hardware"] = self.hw.name
-        except ValueError:
-            pass
-        plan.predicted = plain({
-            "source": "planner", "hardware": self.hw.name, "step_s": ev.step_s, "tokens_per_s": ev.tokens_per_s,
-            "throughput_unit": self.model.tokens_per_row()[1], "mfu": ev.mfu, "peak_bytes": ev.peak_bytes,
-            "memory_limit_bytes": self.limit, "fits": ev.feasible, "memory_bytes": dict(ev.memory),
-            "bytes_sent_per_axis": {a: v["bytes_sent"] for a, v in ev.comm.items()},
-            "comm_per_axis": ev.comm, "compute_s": ev.compute_s, "bubble": ev.bubble, "recompute_s": ev.recompute_s,
-            "optimizer_s": ev.optimizer_s, "peak_bytes_per_pp_rank": ev.rank_peaks,
-            "compute_dtype": self.model.main_dtype, "offload": self.model.offload,
-        })
-        plan.notes.append(f"joint planner: {c.label()}, predicted step {seconds(ev.step_s)}, peak "
-                          f"{gib(ev.peak_bytes)} of {gib(self.limit)} per rank")
-        pr = self.model.precision
-        plan.notes.append(f"precision priced: parameters and compute {pr['param_dtype'] or 'as captured'}, masters "
-                          f"{pr['master_dtype'] or 'none'}, gradient reduction {pr['reduce_dtype'] or 'as the gradients'}"
-                          f", optimizer states {pr['optim_dtype'] or 'as the parameters'}"
-                          + (", masters and optimizer states offloaded to the host" if pr["offload"] else ""))
-        plan.notes += report.reasons()
-        return plan
-
-    def _fusions(self, c: Candidate) -> list[str]:
+    def planned_fusions(self, c: Candidate) -> list[str]:
         """The fusion search's choice for the chosen plan's per-rank batch, on the planner's own
         analysis of the graph (one `cost.analyze`, not a second)."""
         from autopar.search.fusion import plan_fusions  # noqa: PLC0415

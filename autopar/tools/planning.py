@@ -370,18 +370,19 @@ def _joint(global_gm, mesh_or_world, hw, *, batch, pins, memory_limit, top) -> t
     cands = [Candidate(plan, pred)]
     for ev in report.alternatives[1:]:
         c = ev["candidate"]
-        mesh = {a: int(c[a]) for a in ("pp", "dp", "ep", "tp") if int(c.get(a, 1)) > 1} or {"dp": 1}
+        mesh = {a: int(c[a]) for a in ("pp", "dp", "ep", "cp", "tp") if int(c.get(a, 1)) > 1} or {"dp": 1}
         if "dp" not in mesh:
             mesh = {**({"pp": mesh["pp"]} if "pp" in mesh else {}), "dp": 1,
                     **{a: v for a, v in mesh.items() if a != "pp"}}
-        p = Plan(mesh=mesh, dp_axis="dp", zero_stage=int(c["zero_stage"]) if c["dp"] > 1 else 0,
+        p = Plan(mesh=mesh, dp_axis="dp", zero_stage=int(c["zero_stage"]) if c["dp"] * int(c.get("cp", 1)) > 1 else 0,
                  n_microbatches=int(c["n_microbatches"]), schedule=c["schedule"] if c["pp"] > 1 else None,
                  split_points=list(ev.get("split_points") or []),
                  recompute={u: "full" for u in (ev.get("recompute") or {})})
         p.extra["partial"] = ("an alternative as the joint planner summarised it: materialise() re-plans it "
                               "with these choices pinned to fill in its sharding")
         p.extra["joint_pins"] = {k: v for k, v in {
-            "tp": c["tp"], "pp": c["pp"], "dp": c["dp"], "ep": c.get("ep", 1), "zero_stage": p.zero_stage,
+            "tp": c["tp"], "pp": c["pp"], "dp": c["dp"], "ep": c.get("ep", 1), "cp": c.get("cp"),
+            "context_method": c.get("context_method") if int(c.get("cp", 1)) > 1 else None, "zero_stage": p.zero_stage,
             "n_microbatches": p.n_microbatches, "schedule": p.schedule,
             "split_points": p.split_points or None}.items() if v is not None}
         p.predicted = _jsonable(_joint_pred(ev, hw))

@@ -1,0 +1,85 @@
+"""The Plan the joint planner writes for its chosen candidate: what `autopar.parallelize` runs.
+
+`write_plan(search, ev, report)`: the mesh (pp, dp, ep, cp, tp axes of size > 1, in the
+runtime's order), the dp axis, the ZeRO stage (on dp, or the joined dp+cp axis with context
+parallelism), micro-batches, the sharding ILP's layouts and strategies on tp, pipeline split
+points, schedule and virtual stages, the recompute set, fusions (the fusion search's choice
+unless pinned), with cp the attention exchange the cost model priced (`plan.extra["context"]`,
+which `parallelize` runs and `cost.estimate` reads), the precision that was priced, the
+predictions and the report's reasons as notes.
+
+Reads node.meta only through the cost model's tables; writes none. Deterministic: no timings
+in the Plan.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+from autopar.cost import load_profile
+from autopar.cost.placements import Layout
+from autopar.passes.plan import Plan
+from autopar.search.candidate import Evaluation, plain
+from autopar.search.explain import PlanReport, gib, seconds
+
+__all__ = ["write_plan"]
+
+
+def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:
+    """The Plan `parallelize` runs for the search's chosen evaluation `ev` (see the module
+    docstring); `search`: the planner's `_Search` (its model, pins, hardware, limit, notes)."""
+    c = ev.candidate
+    mesh = c.mesh()
+    axes = tuple(mesh)
+    plan = Plan(mesh=mesh, dp_axis="dp" if "dp" in mesh else None, zero_stage=c.zero if c.replicas > 1 else 0,
+                n_microbatches=c.micro, bucket_mb=float(search.pins.get("bucket_mb", 25.0)),
+                **search.model.precision)  # what was priced is what runs
+    if c.tp > 1:
+        info = search.model.sharding(c.tp)
+        sol = info.solution
+        plan.strategies["tp"] = dict(info.strategies)
+        for name, p in info.param_placements.items():
+            plan.param_layouts[name] = Layout.replicated(axes).replace("tp", p)
+        for key, p in info.node_placements.items():
+            plan.node_layouts[key] = Layout.replicated(axes).replace("tp", p)
+        plan.extra["shard"] = {"tp": {"compute_s": sol.compute_s, "comm_s": sol.comm_s, "gap": sol.gap,
+                                      "status": sol.status}}
+        plan.notes.append(sol.summary().replace(f", {sol.seconds:.2f} s;", ";"))  # no timings in a plan
+    if c.pp > 1:
+        plan.schedule = c.schedule
+        plan.split_points = list(ev.split_points)
+        if c.virtual > 1 and c.schedule == "interleaved_1f1b":
+            plan.extra["pp_virtual"] = c.virtual
+    if c.cp > 1:  # the exchange the cost model priced: parallelize and cost.estimate read this entry
+        entry = copy.deepcopy(search.model.context_entry(c))
+        plan.extra["context"] = entry
+        plan.notes += entry["notes"]
+    if ev.recompute:
+        plan.recompute = {u: "full" for u in sorted(ev.recompute, key=search.model.unit_names.index)}
+    elif isinstance(search.recompute, Mapping):
+        plan.recompute = dict(search.recompute)
+    fus = search.pins.get("fusions")
+    plan.fusions = list(fus) if fus is not None else search.planned_fusions(c)
+    try:
+        load_profile(search.hw.name)
+        plan.extra["hardware"] = search.hw.name
+    except ValueError:
+        pass
+    plan.predicted = plain({
+        "source": "planner", "hardware": search.hw.name, "step_s": ev.step_s, "tokens_per_s": ev.tokens_per_s,
+        "throughput_unit": search.model.tokens_per_row()[1], "mfu": ev.mfu, "peak_bytes": ev.peak_bytes,
+        "memory_limit_bytes": search.limit, "fits": ev.feasible, "memory_bytes": dict(ev.memory),
+        "bytes_sent_per_axis": {a: v["bytes_sent"] for a, v in ev.comm.items()},
+        "comm_per_axis": ev.comm, "compute_s": ev.compute_s, "bubble": ev.bubble, "recompute_s": ev.recompute_s,
+        "optimizer_s": ev.optimizer_s, "peak_bytes_per_pp_rank": ev.rank_peaks,
+        "compute_dtype": search.model.main_dtype, "offload": search.model.offload,
+    })
+    plan.notes.append(f"joint planner: {c.label()}, predicted step {seconds(ev.step_s)}, peak "
+                      f"{gib(ev.peak_bytes)} of {gib(search.limit)} per rank")
+    pr = search.model.precision
+    plan.notes.append(f"precision priced: parameters and compute {pr['param_dtype'] or 'as captured'}, masters "
+                      f"{pr['master_dtype'] or 'none'}, gradient reduction {pr['reduce_dtype'] or 'as the gradients'}"
+                      f", optimizer states {pr['optim_dtype'] or 'as the parameters'}"
+                      + (", masters and optimizer states offloaded to the host" if pr["offload"] else ""))
+    plan.notes += report.reasons()
+    return plan
