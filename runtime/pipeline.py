@@ -30,30 +30,22 @@ next action is posted before the current one computes, so transfers overlap comp
 asynchronous and awaited at the end of the step; the schedule is checked by the simulator at
 construction, so a run cannot deadlock on the schedule's own waits.
 
-Zero-bubble split (`I` then `W`): `I` computes only the input gradients
-(`autograd.grad(outputs, inputs)`), capturing the gradient arriving at every autograd node
-that lies on an input path and has an edge towards a parameter (the "frontier", as in
-torch's `stage_backward_input`); `W` restarts autograd from those nodes' captured gradients
-towards the parameters only, so it does not repeat the input-gradient chain. A parameter
-reached from several frontier nodes (one weight used twice in a stage) is done in one call
-with the captured gradients pinned, so nothing is counted twice; that call does re-run the
-chain between the two uses. On a stage whose inputs need no gradient (stage 0), `I` is empty
-and `W` is the full backward (as in torch). The split walks the autograd graph once per
-(stage, micro-batch) and makes one autograd call per parameter group: a fixed Python cost
-that matters only for very small stages.
+Zero-bubble split (`I` then `W`): `I` computes only the input gradients, `W` the weight
+gradients later, from the gradients `I` captured (runtime/pipeline_split.py says how).
 
 Data parallel (pp x dp): give `engines={stage: make_engine(module, mesh, "dp", stage=k)}`
 (any ZeRO stage 0-3; the engines' collectives use the active mesh, `set_active_mesh`);
 every backward of a stage except its last one in the step runs in `engine.no_sync()`, the
 last one (`B`, or the last `W`) lets the engine's hooks launch their reductions, and
-`finish_backward()` runs once per stage after the schedule. fp16 dynamic loss scaling is not
-pipeline-aware (each stage engine would scale its own outputs); use bf16 or fp32 with pp.
+`finish_backward()` runs once per stage after the schedule. fp16 loss scaling is not
+pipeline-aware (each stage engine would scale its own outputs; `PipelineProgram` refuses it);
+use bf16 or fp32 with pp.
 Tied parameters on different stages (embedding on the first, LM head on the last) are made
-equal at construction and get their gradients summed after backward: all-reduce over a group
-of the two ranks, or a local sum when one rank holds both stages. The sum acts on `.grad`
-after `finish_backward()`, so it is right without engines and with full-precision ZeRO stage
-0 (gradients on the parameters); with stages 1-3 or mixed precision the gradients live on
-the engines' masters and tied pairs are refused (ValueError).
+equal at construction and get their gradients summed after every stage's
+`finish_backward()` (runtime/pipeline_tied.py): on the engines' masters where there are
+engines (any ZeRO stage, fp32 masters of 16-bit parameters: both copies hold the same rows
+of the same dp rank), on `.grad` without; all-reduce over a group of the ranks holding a
+copy, or a local sum when one rank holds them all.
 
 Reads and writes no `node.meta` keys. Counts every point-to-point transfer in
 `collectives.COUNTER` as ("send" | "recv", axis) with payload bytes, and the shape metadata
@@ -62,21 +54,20 @@ as ("send_meta" | "recv_meta", axis).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .collective_errors import failed, p2p, where
 from .collectives import COUNTER
+from .pipeline_split import WeightGradState, backward_input, backward_weight
+from .pipeline_tied import TiedCopies, TiedPair
 from .schedules import Action, Kind, Schedule, simulate
 
 __all__ = ["PipelineExecutor", "split_microbatches", "backward_input", "backward_weight", "WeightGradState"]
 
-TiedPair = tuple[tuple[int, str], ...]  # ((stage, param name), ...): one weight on 2+ stages
 
 # dtype codes for the shape metadata (append only: both ends must agree)
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -94,129 +85,6 @@ def split_microbatches(batch: torch.Tensor | Sequence[torch.Tensor], n: int) -> 
     chunks = [t.chunk(n, dim=0) for t in items]
     out = [tuple(c[k] for c in chunks) for k in range(n)]
     return [o[0] for o in out] if torch.is_tensor(batch) else out
-
-
-# ---------------------------------------------------------------------------- I / W split
-def _node(t: torch.Tensor):
-    return get_gradient_edge(t).node
-
-
-@dataclass
-class WeightGradState:
-    """What `W` needs after `I`: groups of (frontier nodes, parameters), the gradients
-    captured at the frontier, or (`full`) the outputs for a full backward."""
-
-    full: bool
-    outputs: list
-    grads: list
-    params: list
-    groups: list  # [(nodes, params)]
-    captured: dict
-
-
-def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]
-                   ) -> tuple[list[torch.Tensor | None], WeightGradState]:
-    """Input gradients of `outputs` (seeded with `grads`) w.r.t. `inputs`; no parameter
-    gradient is computed or accumulated. Returns them (None where not needed) and the state
-    for `backward_weight`."""
-    outputs, grads = list(outputs), list(grads)
-    params = [p for p in params if p.requires_grad]
-    in_req = [x for x in inputs if x.requires_grad]
-    full = WeightGradState(True, outputs, grads, params, [], {})
-    if not in_req or not outputs:
-        return [None] * len(inputs), full
-    roots = [_node(o) for o in outputs]
-    children: dict = {}
-    order: list = []  # post-order: children before parents
-    for root in roots:
-        if root in children:
-            continue
-        stack = [(root, False)]
-        while stack:
-            n, expanded = stack.pop()
-            if expanded:
-                order.append(n)
-                continue
-            if n in children:
-                continue
-            ch = [f for f, _ in n.next_functions if f is not None]
-            children[n] = ch
-            stack.append((n, True))
-            stack.extend((c, False) for c in ch if c not in children)
-    in_nodes = {_node(x) for x in in_req}
-    param_of = {_node(p): p for p in params}
-    to_in: dict = {}
-    to_par: dict = {}
-    for n in order:
-        to_in[n] = n in in_nodes or any(to_in[c] for c in children[n])
-        to_par[n] = n in param_of or any(to_par[c] for c in children[n])
-    if any(not to_in[r] and to_par[r] for r in roots):
-        # an output depends on parameters but not on the inputs: W does the full backward
-        grads_in = torch.autograd.grad(outputs, in_req, grads, retain_graph=True, allow_unused=True)
-        return _place(inputs, in_req, grads_in), full
-    frontier = [n for n in order if to_in[n] and any(not to_in[c] and to_par[c] for c in children[n])]
-    groups: list[tuple[list, set]] = []
-    for n in frontier:
-        reached, seen = set(), set()
-        stack = [c for c in children[n] if not to_in[c] and to_par[c]]
-        while stack:
-            x = stack.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            if x in param_of:
-                reached.add(x)
-            stack.extend(c for c in children[x] if not to_in[c] and to_par[c])
-        merged = [g for g in groups if g[1] & reached]
-        nodes, ps = [n], set(reached)
-        for g in merged:
-            nodes = g[0] + nodes
-            ps |= g[1]
-            groups.remove(g)
-        groups.append((nodes, ps))
-    captured: dict = {}
-    hooks = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier]
-    try:
-        grads_in = torch.autograd.grad(outputs, in_req, grads, retain_graph=True, allow_unused=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    # outputs stay referenced until W: a Python-defined autograd node does not keep its graph alive
-    state = WeightGradState(False, outputs, grads, params,
-                            [(nodes, [param_of[x] for x in ps]) for nodes, ps in groups], captured)
-    return _place(inputs, in_req, grads_in), state
-
-
-def _place(inputs, in_req, grads_in) -> list:
-    by_id = {id(x): g for x, g in zip(in_req, grads_in)}
-    return [by_id.get(id(x)) for x in inputs]
-
-
-def backward_weight(state: WeightGradState) -> None:
-    """Accumulate the parameter gradients left by `backward_input` into `.grad` (firing
-    post-accumulate hooks, so data-parallel bucket reduction sees them)."""
-    if state.full:
-        if state.outputs and state.params:
-            torch.autograd.backward(state.outputs, state.grads, inputs=state.params)
-        return
-    for nodes, params in state.groups:
-        edges, gs = [], []
-        for n in nodes:
-            for k, g in enumerate(state.captured.get(n, ())):
-                if g is not None:
-                    edges.append(GradientEdge(n, k))
-                    gs.append(g)
-        if not edges:
-            continue
-        pins = []
-        if len(nodes) > 1:  # a path between two of these nodes must not add to the captured value
-            pins = [n.register_prehook(lambda g, s=state.captured[n]: s) for n in nodes if n in state.captured]
-        try:
-            torch.autograd.backward(edges, gs, inputs=params, retain_graph=True)
-        finally:
-            for h in pins:
-                h.remove()
 
 
 # ---------------------------------------------------------------------------- executor
@@ -290,11 +158,8 @@ class PipelineExecutor:
             if a.kind in (Kind.B, Kind.W):
                 self._last_grad_action[a.stage] = k
         self._recv_plan = self._build_recv_plan()
-        if tied and any(getattr(e, "stage", 0) != 0 or getattr(e, "mixed", False) for e in self.engines.values()):
-            raise ValueError("tied parameters are summed on .grad, which ZeRO stages 1-3 and mixed-precision "
-                             "engines do not keep (their gradients live on fp32 masters); use full-precision "
-                             "ZeRO stage 0 engines on the pipeline stages, or untie the weights")
-        self._tied = self._setup_tied(list(tied))
+        # construct on every rank at the same point: it creates the tied groups' process groups
+        self._tied = TiedCopies(list(tied), self.modules, self.engines, schedule, mesh, axis)
 
     # --- set-up ---------------------------------------------------------------------------
     def _rank_of(self, stage: int) -> int:
@@ -315,53 +180,6 @@ class PipelineExecutor:
             if seq:
                 plan[q] = seq
         return plan
-
-    def _setup_tied(self, tied: list) -> list:
-        """Each entry: ((stage, name), (stage, name), ...) of one weight held on two or more stages.
-        Returns (this rank's copies, the group of the ranks holding any, those ranks' count)."""
-        out = []
-        S = self.schedule.n_stages
-        world = dist.get_world_size()
-        pp_groups = sorted({tuple(self.mesh.axis_ranks(self.axis, r)) for r in range(world)})
-        for entry in tied:
-            try:
-                members = [(int(s), str(n)) for s, n in entry]
-            except (TypeError, ValueError):
-                raise ValueError(f"tied entry {entry!r} must be ((stage, param_name), (stage, param_name), ...)") \
-                    from None
-            stages = [s for s, _ in members]
-            if len(members) < 2 or len(set(stages)) != len(stages) or not all(0 <= s < S for s in stages):
-                raise ValueError(f"tied entry {entry!r} must name two or more different stages in 0..{S - 1}")
-            ranks = sorted({self._rank_of(s) for s in stages})
-            group = None
-            if len(ranks) > 1:
-                for g in pp_groups:  # every rank creates every group, in the same order
-                    members_g = sorted({g[r] for r in ranks})
-                    pg = dist.new_group(members_g)
-                    if self.global_rank in members_g:
-                        group = pg
-            held = [(s, n, self._param(s, n)) for s, n in members if s in self.modules]
-            for s, n, p in held:
-                if p.requires_grad is False:
-                    raise ValueError(f"tied parameter {n!r} of stage {s} does not require grad")
-                if p.shape != held[0][2].shape:
-                    raise ValueError(f"tied parameters {held[0][1]!r} (stage {held[0][0]}) and {n!r} (stage {s}) "
-                                     f"have shapes {tuple(held[0][2].shape)} and {tuple(p.shape)}")
-            params = [p for _s, _n, p in held]
-            with torch.no_grad():  # start equal: the first stage's value wins
-                if group is not None and params:
-                    dist.broadcast(params[0].data, src=self.pp_ranks[self._rank_of(stages[0])], group=group)
-                    COUNTER.record("broadcast", self.axis, params[0].numel() * params[0].element_size())
-                for p in params[1:]:
-                    p.copy_(params[0])
-            out.append((params, group))
-        return out
-
-    def _param(self, stage: int, name: str) -> nn.Parameter:
-        params = dict(self.modules[stage].named_parameters())
-        if name not in params:
-            raise ValueError(f"stage {stage} has no parameter {name!r}; it has {sorted(params)[:12]}")
-        return params[name]
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, microbatches: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> torch.Tensor:
@@ -421,7 +239,7 @@ class PipelineExecutor:
             self._sends = []
             for s in sorted(self.engines):
                 self.engines[s].finish_backward()
-            self._reduce_tied()
+            self._tied.reduce()
             return self._mean_loss()
 
     # --- actions -----------------------------------------------------------------------------
@@ -575,26 +393,17 @@ class PipelineExecutor:
                 for t, (_, _, r) in zip(bufs, self._meta_in[chan])]
 
     # --- after the actions -------------------------------------------------------------------
-    def _reduce_tied(self) -> None:
-        """Every copy of a tied weight gets the sum of all copies' gradients."""
-        for params, group in self._tied:
-            if not params:
-                continue
-            tot = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in params)
-            if group is not None:
-                with failed("tied-weight all_reduce", group=group):
-                    dist.all_reduce(tot, group=group)
-                COUNTER.record("all_reduce", self.axis, tot.numel() * tot.element_size())
-            for p in params:
-                p.grad = tot.clone()
-
     def _mean_loss(self) -> torch.Tensor:
+        """The mean loss over the micro-batches on every pp rank, in the loss's dtype promoted to
+        at least fp32 (an fp64 model reports an fp64 loss); it travels as fp64 with its dtype code."""
         if self.last_stage in self.modules:
-            loss = torch.stack(self._losses).float().mean()
+            dt = torch.promote_types(self._losses[0].dtype, torch.float32)
+            loss = torch.stack(self._losses).to(torch.float64).mean()
+            msg = torch.stack([loss, torch.tensor(float(_DTYPE_CODE[dt]), dtype=torch.float64, device=loss.device)])
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            msg = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.schedule.n_ranks > 1:
             with failed("loss broadcast", axis=self.axis, group=self.group):
-                dist.broadcast(loss, src=self.pp_ranks[self._rank_of(self.last_stage)], group=self.group)
-            COUNTER.record("broadcast", self.axis, loss.numel() * loss.element_size())
-        return loss
+                dist.broadcast(msg, src=self.pp_ranks[self._rank_of(self.last_stage)], group=self.group)
+            COUNTER.record("broadcast", self.axis, msg.numel() * msg.element_size())
+        return msg[0].to(_DTYPES[int(msg[1].item())])

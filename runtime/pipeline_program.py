@@ -9,7 +9,10 @@ one data-parallel engine per stage.
     micro-batches: `loss_fn` arrives with the step), and returns the loss of the whole global
     batch on every rank (mean over micro-batches, then over dp). Gradients are left reduced
     over dp by the stage engines, and tied weights (an embedding and an LM head on two
-    stages) hold the sum of their stages' gradients.
+    stages) hold the sum of their stages' gradients on the engines' masters, under every ZeRO
+    stage and with fp32 masters of bf16 parameters (runtime/pipeline_tied.py), so the copies
+    take identical optimizer steps. fp16 parameters with a loss scale are refused at
+    construction (ValueError): every stage's engine would scale its own output gradients.
   * with an ep axis (expert parallelism inside the stages, `ep_axis`): the dp piece of the
     batch is cut again in ep pieces, as `runtime.moe.ExpertProgram` cuts it (ep index j takes
     rows [j * b, (j + 1) * b)); each micro-batch is then a slice of every ep rank's piece, and
@@ -56,6 +59,7 @@ from .collective_errors import issue, where
 from ._torch_compat import pytree
 from .mesh import Mesh
 from .pipeline import PipelineExecutor
+from .pipeline_tied import TiedPair
 from .program import evaluate
 from .rng import RNGTracker
 from .schedules import Schedule, make_schedule
@@ -64,7 +68,6 @@ from .grad_norm import local_norm_parts, reduce_norm_parts
 
 __all__ = ["PipelineProgram", "PipelineEngines", "PipelineOptimizer"]
 
-TiedPair = tuple[tuple[int, str], ...]  # ((stage, param name), ...): one weight on 2+ stages
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -121,25 +124,22 @@ class PipelineProgram(nn.Module):
             raise ValueError(f"pp rank {self.pp_rank} holds stages {mine} under schedule {schedule!r} with "
                              f"{n_stages} stages, but modules were given for {sorted(stages)}")
         self.stages = nn.ModuleDict({str(s): stages[s] for s in mine})
+        opts = dict(engine_options or {})
+        if opts.get("param_dtype") == torch.float16 and opts.get("loss_scale", "auto") is not None:
+            raise ValueError(f"fp16 parameters with loss scaling (loss_scale={opts.get('loss_scale', 'auto')!r}) do not "
+                             f"run under a pipeline ({pp_axis}={self.pp}) yet: every stage's engine scales the gradient "
+                             "of its own outputs, so the stages before the last would get their gradients scaled "
+                             "twice, and each stage would skip overflowing steps on its own; use "
+                             "precision='bf16-mixed' (no loss scale) or 'fp32' with pp, or pp=1")
         if sync_init and self.dp > 1 and dist.is_initialized():
             for m in self.stages.values():
                 broadcast_module(m, self.dp_axis)
-        opts = dict(engine_options or {})
         if self.ep_axis:
             self._sync_ep(expert_params, sync_init)
             mp = {k: tuple(v) for k, v in (opts.get("model_parallel") or {}).items()}
             for name in expert_params:  # each ep rank holds other experts: a norm counts them all once
                 mp[name] = tuple(sorted(set(mp.get(name, ())) | {self.ep_axis}))
             opts["model_parallel"] = mp
-        sixteen = opts.get("param_dtype") in (torch.float16, torch.bfloat16)
-        if self.tied and (zero_stage != 0 or sixteen):
-            why = " and ".join(x for x in (f"ZeRO stage {zero_stage}" if zero_stage else "",
-                                           f"{opts['param_dtype']} parameters with separate masters" if sixteen else "")
-                               if x)
-            raise ValueError(f"tied weights across pipeline stages ({self.tied[0][0][1]!r} on stages "
-                             f"{self.tied[0][0][0]} and {self.tied[0][1][0]}) have their gradients summed on .grad, "
-                             f"which {why} does not keep; use zero_stage=0 in full precision, or split so that "
-                             "both uses share a stage")
         engines = {s: make_engine(stages[s], mesh, self.dp_axis, zero_stage, bucket_mb, **opts) for s in mine}
         self.engine = PipelineEngines(engines, mesh, pp_axis, self.dp_axis, self.tied)
         self._executors: dict[int, PipelineExecutor] = {}

@@ -329,11 +329,10 @@ def _walk(root):
     return seen
 
 
-def test_wrong_stage_count_deadlocking_schedule_and_tied_zero1_are_refused_before_running():
+def test_wrong_stage_count_and_deadlocking_schedule_are_refused_before_running():
     out = world(2, _refusals)
     assert out[0][0].startswith("pp rank 0 holds stages [0, 2]")
     assert "deadlocks" in out[0][1] and "0B0" in out[0][1]
-    assert "ZeRO stages 1-3" in out[1][2]
 
 
 def _refusals(rank, ws):
@@ -348,11 +347,5 @@ def _refusals(rank, ws):
                                              [A("1F1"), A("1B1"), A("1F0"), A("1B0")]])
     with pytest.raises(ValueError) as e:
         PipelineExecutor(stages[rank], bad, mesh, loss_fn)
-    msgs.append(str(e.value))
-    two = split_gpt(make_model(2, tie=True), 2)
-    engine = make_engine(two[rank], mesh, None, stage=1)
-    with pytest.raises(ValueError) as e:
-        PipelineExecutor(two[rank], sch.one_f_one_b(2, 2), mesh, loss_fn, engines={rank: engine},
-                         tied=[((0, "tok_emb.weight"), (1, "lm_head.weight"))])
     msgs.append(str(e.value))
     return msgs

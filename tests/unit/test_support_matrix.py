@@ -108,44 +108,43 @@ def test_ulysses_is_refused_when_the_heads_per_tp_rank_do_not_divide_by_cp_and_r
     assert plan_context(gm, {"tp": 2, "cp": 2}, "ulysses", "h100-sxm")["method"] == "ulysses"
 
 
-# --- pp x tied weights x ZeRO 1-3 / mixed precision (runtime/pipeline_program.py) -----------------
-TIED_REFUSALS = [  # (matrix cell, zero stage, engine options, key phrase)
-    ("pp x tie x Z1", 1, {}, r"which ZeRO stage 1 does not keep; use zero_stage=0"),
-    ("pp x tie x Z2", 2, {}, r"which ZeRO stage 2 does not keep; use zero_stage=0"),
-    ("pp x tie x Z3", 3, {}, r"which ZeRO stage 3 does not keep; use zero_stage=0"),
-    ("pp x tie x bf16-mixed", 0, {"param_dtype": torch.bfloat16},
-     r"which torch.bfloat16 parameters with separate masters does not keep"),
-    ("pp x tie x fp16-mixed", 0, {"param_dtype": torch.float16},
-     r"which torch.float16 parameters with separate masters does not keep"),
+# --- pp x fp16-mixed (runtime/pipeline_program.py) ----------------------------------------------
+# pp x tied weights x ZeRO 1-3 and x bf16-mixed train now (tests/dist/test_pipeline_compose.py);
+# fp16 with a loss scale stays refused under a pipeline, tied or not
+FP16_REFUSALS = [  # (matrix cell, tied entries, engine options)
+    ("pp x tie x fp16-mixed", [((0, "weight"), (1, "weight"))], {"param_dtype": torch.float16, "loss_scale": "dynamic"}),
+    ("pp x fp16-mixed", [], {"param_dtype": torch.float16, "loss_scale": "dynamic"}),
+    ("pp x fp16 with a static loss scale", [], {"param_dtype": torch.float16, "loss_scale": 1024.0}),
 ]
 
 
-def _pipeline_rank0(zero_stage: int, options: dict) -> PipelineProgram:
+def _pipeline_rank0(zero_stage: int, options: dict, tied=(((0, "weight"), (1, "weight")),)) -> PipelineProgram:
     """Rank 0 of a 2-rank 1F1B pipeline whose weight `weight` is tied to stage 1's."""
     try:
         return PipelineProgram({0: nn.Linear(4, 4)}, make_mesh(pp=2), n_stages=2, schedule="1f1b", dp_axis=None,
-                               zero_stage=zero_stage, tied=[((0, "weight"), (1, "weight"))], sync_init=False,
-                               engine_options=options)
+                               zero_stage=zero_stage, tied=list(tied), sync_init=False, engine_options=options)
     finally:
         C.set_active_mesh(None)
 
 
-@pytest.mark.parametrize("cell, zero, options, words", TIED_REFUSALS, ids=[c[0] for c in TIED_REFUSALS])
-def test_weights_tied_across_pipeline_stages_are_refused_under_zero_or_mixed_precision(cell, zero, options, words):
-    with pytest.raises(ValueError, match=r"tied weights across pipeline stages \('weight' on stages 0 and 1\).*"
-                                         + words):
-        _pipeline_rank0(zero, options)
+@pytest.mark.parametrize("cell, tied, options", FP16_REFUSALS, ids=[c[0] for c in FP16_REFUSALS])
+def test_fp16_with_a_loss_scale_is_refused_under_a_pipeline(cell, tied, options):
+    with pytest.raises(ValueError, match=r"fp16 parameters with loss scaling \(loss_scale=.*\) do not run under a "
+                                         r"pipeline \(pp=2\) yet: every stage's engine scales the gradient of its "
+                                         r"own outputs.*use precision='bf16-mixed'"):
+        _pipeline_rank0(0, options, tied)
 
 
-def test_weights_tied_across_pipeline_stages_are_accepted_at_zero_0_in_full_precision():
-    # the refusal is specific: the same pipeline rank at ZeRO 0 and fp32 builds (and is what
-    # tests/dist/test_pipeline_parallelize.py trains against one process)
-    try:
-        program = _pipeline_rank0(0, {})
-    except RuntimeError as e:  # a process group is needed further on: still past the refusal
-        assert "tied" not in str(e), e
-        return
+@pytest.mark.parametrize("zero, options", [(0, {}), (1, {}), (2, {}), (3, {}), (1, {"param_dtype": torch.bfloat16}),
+                                           (3, {"param_dtype": torch.bfloat16}),
+                                           (0, {"param_dtype": torch.float16, "loss_scale": None})],
+                         ids=["Z0", "Z1", "Z2", "Z3", "Z1 bf16-mixed", "Z3 bf16-mixed", "fp16 without a loss scale"])
+def test_weights_tied_across_pipeline_stages_are_accepted_under_every_zero_stage_and_bf16_mixed(zero, options):
+    # the rank builds (the tied sum runs on the engines' masters); tests/dist/test_pipeline_compose.py
+    # trains these against one process
+    program = _pipeline_rank0(zero, options)
     assert program.tied == [((0, "weight"), (1, "weight"))]
+    assert {e.stage for e in program.engine.engines.values()} == {zero}
 
 
 # --- the matrix cites only tests that exist -----------------------------------------------------
@@ -179,18 +178,21 @@ def test_every_refusal_the_matrix_lists_points_at_a_line_that_raises_it():
 
 
 # --- the planner never emits what the runtime refuses: pp x tied x (ZeRO 1-3 | 16-bit) ---------
-def test_the_planner_plans_no_pipeline_the_runtime_refuses_for_tied_weights():
+def test_the_planner_plans_no_pipeline_the_runtime_refuses_for_fp16_and_pipelines_tied_weights_in_bf16():
     from autopar.passes.plan import precision_fields
     from autopar.search.planner import clear_cache, plan_for
 
-    gm = _graph("gpt-tiny-tied")
-    for recipe in ("bf16-mixed", "fp16-mixed"):
+    for name in ("gpt-tiny-tied", "gpt-tiny"):  # fp16 with loss scaling: refused under pp, tied or not
         clear_cache()
-        with pytest.raises(ValueError, match="tied weights gets pp > 1 only at ZeRO 0 in full precision"):
-            plan_for(gm, 2, "h100-sxm", pins={"pp": 2}, precision=precision_fields(recipe))
+        with pytest.raises(ValueError, match="fp16 with loss scaling gets no pipeline"):
+            plan_for(_graph(name), 2, "h100-sxm", pins={"pp": 2}, precision=precision_fields("fp16-mixed"))
+    gm = _graph("gpt-tiny-tied")
+    clear_cache()  # tied weights on two stages with bf16-mixed masters: runtime/pipeline_tied.py runs them
+    plan, _ = plan_for(gm, 2, "h100-sxm", pins={"pp": 2}, precision=precision_fields("bf16-mixed"))
+    assert plan.mesh.get("pp") == 2 and plan.param_dtype == "bf16", (plan.mesh, plan.param_dtype)
     clear_cache()
-    plan, _ = plan_for(gm, 2, "h100-sxm", pins={"pp": 2}, precision=precision_fields("fp32"))
-    assert plan.mesh.get("pp") == 2 and plan.zero_stage == 0  # the runtime's supported corner
+    plan, _ = plan_for(gm, 4, "h100-sxm", pins={"pp": 2, "zero_stage": 1}, precision=precision_fields("fp32"))
+    assert plan.mesh.get("pp") == 2 and plan.zero_stage == 1, (plan.mesh, plan.zero_stage)
     clear_cache()
-    plan, _ = plan_for(gm, 4, "h100-sxm", precision=precision_fields("bf16-mixed"))
-    assert plan.mesh.get("pp", 1) == 1, plan.mesh  # unpinned: never a tied pipeline in 16 bits
+    plan, _ = plan_for(gm, 4, "h100-sxm", precision=precision_fields("fp16-mixed"))
+    assert plan.mesh.get("pp", 1) == 1, plan.mesh  # unpinned: never an fp16 pipeline
