@@ -131,8 +131,15 @@ def export_state_dict(source, path: str | os.PathLike | None = None, *, dtype: t
         base = os.path.abspath(os.fspath(path))
         tmp = os.path.join(os.path.dirname(base), f".{os.path.basename(base)}.export-{token}")
     else:
-        tmp = os.path.join(ck.agree(_tempdir() if rank == 0 else None), f"autopar-export-{token}")
-    ck.save_checkpoint(tmp, source.engine, source.mesh, **info, optimizer=False)
+        # a private folder: a save cleans the staging folders it finds beside its own, and
+        # another job exporting into the shared temp folder at the same time must not be one
+        tmp = os.path.join(ck.agree(_private_tempdir(token) if rank == 0 else None), "state")
+    try:
+        ck.save_checkpoint(tmp, source.engine, source.mesh, **info, optimizer=False)
+    except BaseException:
+        if rank == 0 and path is None:
+            shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
+        raise
     sd, err = {}, None
     if rank == 0:
         try:
@@ -141,7 +148,7 @@ def export_state_dict(source, path: str | os.PathLike | None = None, *, dtype: t
                 ck.write_state_dict(sd, os.fspath(path))
         except Exception as e:  # noqa: BLE001 - reported on every rank
             err = f"{type(e).__name__}: {e}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp if path is not None else os.path.dirname(tmp), ignore_errors=True)
     err = ck.agree(err)
     if err:
         raise RuntimeError(f"exporting the state dict failed on rank 0: {err}")
@@ -158,10 +165,10 @@ def _keep_like(sd: dict[str, torch.Tensor], like) -> dict[str, torch.Tensor]:
     return {k: sd[k] for k in keys}
 
 
-def _tempdir() -> str:
+def _private_tempdir(token: str) -> str:
     import tempfile  # noqa: PLC0415
 
-    return tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix=f"autopar-export-{token}-")
 
 
 def import_state_dict(model, source, *, strict: bool = True,

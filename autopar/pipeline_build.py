@@ -179,7 +179,7 @@ def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pl
         if s not in mine:
             _to_meta(stage_graphs[s])
     if any(m != "none" for m in plan.recompute.values()):  # activation recomputation, stage by stage
-        from autopar.passes.recompute import recompute  # noqa: PLC0415
+        from autopar.passes.recompute import node_keys, recompute  # noqa: PLC0415
 
         for s in mine:
             mods = {getattr(n.meta.get("autopar"), "module", "") or "" for n in stage_graphs[s].graph.nodes
@@ -188,7 +188,10 @@ def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pl
                     if v != "none" and any(x == m or x.startswith(m + ".") for x in mods)}
             if not here:
                 continue
-            save = {m: v for m, v in (plan.extra.get("recompute_save") or {}).items() if m in here}
+            # a block the cut splits has part of its save list on another stage: keep this stage's
+            keys = set(node_keys(stage_graphs[s]).values())
+            save = {m: [k for k in v if k in keys] for m, v in (plan.extra.get("recompute_save") or {}).items()
+                    if m in here}
             sctx = PassContext(plan=plan.pin(recompute=here, extra={**plan.extra, "recompute_save": save}),
                                mesh_sizes=ctx.mesh_sizes, coords=ctx.coords)
             rpm = PassManager([recompute], dump_dir=dump_dir)

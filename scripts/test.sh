@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (with the dev extra), then run the whole test suite.
-# Two pytest processes side by side: tests/dist (gloo worlds, one at a time: a 4-process world is
-# all 2 cores can carry) and the single-process tests (tests/unit, tests/bad_inputs), whose report
+# Two pytest processes side by side: tests/dist and tests/fuzz (gloo worlds, one at a time: a
+# 4-process world is all 2 cores can carry; the fuzz trains AUTOPAR_FUZZ_PLANS random plans, its
+# seed the UTC date) and the single-process tests (tests/unit, tests/bad_inputs), whose report
 # is printed after the dist one. Not pytest-xdist: its workers run I/O threads, and a world forked
 # from a threaded process can inherit a held lock (a rank hung at start-up, seen once in CI).
 # With arguments, one plain run: `bash scripts/test.sh tests/unit -k capture`.
@@ -15,7 +16,7 @@ log=$(mktemp)
 python3 -m pytest tests/unit tests/bad_inputs -q --durations=5 -p no:cacheprovider >"$log" 2>&1 &
 single=$!
 set +e
-python3 -m pytest tests/dist -q --durations=10   # and the 10 slowest tests
+python3 -m pytest tests/dist tests/fuzz -q --durations=10   # and the 10 slowest tests
 dist_rc=$?
 wait "$single"
 single_rc=$?

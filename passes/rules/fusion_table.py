@@ -41,7 +41,7 @@ import torch.fx as fx
 from .fusion_match import (LOW_FLOAT, VIEWS, Emit, FusionRule, GraphView, Match, arg, cast_of,
                            dtype_of, finish, is_call, is_float, is_last_dim, is_weight_1d,
                            number, other_arg, plain_binary, same_type, shape_of, sole_user,
-                           users)
+                           users, val_of)
 
 aten = torch.ops.aten
 
@@ -62,6 +62,16 @@ class _Norm:
 def _default_rms_eps(x: fx.Node) -> float:
     dt = dtype_of(x)
     return torch.finfo(torch.float32 if dt in LOW_FLOAT else dt).eps  # aten: eps of the op math type
+
+
+def _upcast(c: tuple[fx.Node, torch.dtype] | None) -> bool:
+    """A cast to fp32 from a dtype no wider (bf16, fp16, fp32), which a fused norm computing in
+    fp32 absorbs. A cast down to fp32 (an fp64 model whose norm computes in fp32, as
+    transformers' RMSNorm does) is not: the fused norm would compute in fp64."""
+    if c is None or c[1] != torch.float32:
+        return False
+    src = val_of(c[0])
+    return src is not None and src.dtype in LOW_FLOAT
 
 
 def _rms_norm_at(n: fx.Node) -> _Norm | None:
@@ -100,7 +110,7 @@ def _rms_norm_at(n: fx.Node) -> _Norm | None:
     nodes, out = [n, mean, add, rs, mul], mul
     x = xf
     c = cast_of(xf)
-    if c is not None and c[1] == torch.float32:
+    if _upcast(c):
         x = c[0]
         if all(u in nodes for u in users(xf)):
             nodes.append(xf)  # else the upcast stays for its other users
@@ -147,8 +157,7 @@ def _norms_of(s: fx.Node, find: Callable[[fx.Node], _Norm | None]) -> list[_Norm
     """Norms (as found by `find`) that normalise `s`, directly or through an fp32 upcast."""
     starts = list(users(s))
     for u in users(s):
-        c = cast_of(u)
-        if c is not None and c[1] == torch.float32:
+        if _upcast(cast_of(u)):
             starts += users(u)
     found = []
     for u in starts:

@@ -230,6 +230,31 @@ def test_geglu_in_erf_and_tanh_forms_is_fused_and_matches():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+class DowncastRMSNorm(nn.Module):
+    """transformers' RMSNorm: the variance in fp32 whatever the input dtype, then back."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+def test_a_norm_that_casts_down_to_fp32_is_not_fused_and_one_that_casts_up_is():
+    # found by the plan fuzz (tests/fuzz): in an fp64 model the cast down to fp32 was taken for
+    # an fp32 upcast and dropped, so the fused norm computed in fp64 and moved parameters by
+    # 3e-5 in 3 AdamW steps; the fused kernels compute in fp32 from inputs no wider than fp32
+    torch.manual_seed(0)
+    model = DowncastRMSNorm(16)
+    for dtype, want in ((torch.float64, {}), (torch.float32, {"rms_norm": 1}), (torch.bfloat16, {"rms_norm": 1})):
+        x = torch.randn(2, 5, 16, dtype=dtype)
+        gm = capture(model.to(dtype), (x,))
+        assert dict(Counter(m.rule for m in find_matches(gm))) == want, dtype
+
+
 def test_an_intermediate_read_elsewhere_blocks_the_match():
     class Leaky(nn.Module):  # silu(a) is returned too: fusing it away would lose it
         def forward(self, a, b):
