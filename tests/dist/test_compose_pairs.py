@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import autopar
 from harness import world
+from reference_train import adamw_steps
 
 BATCH, SEQ, STEPS, TOL = 8, 16, 3, 1e-9
 FUSIONS = ["add_rms_norm", "rms_norm", "rope", "swiglu", "cross_entropy"]
@@ -57,15 +58,7 @@ def _batches():
 
 
 def _reference(name):
-    model = _build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for x, y in _batches():
-        loss = _loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model = adamw_steps(_build(name), _batches(), _loss, lr=1e-2)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

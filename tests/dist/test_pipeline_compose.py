@@ -46,6 +46,7 @@ import autopar
 from autopar.passes import ir
 from autopar.passes.recompute import CheckpointRegion
 from harness import world
+from reference_train import adamw_steps
 
 BATCH, SEQ, STEPS, LR, M, TOL = 8, 16, 3, 1e-2, 2, 1e-9
 DP = 2
@@ -86,15 +87,7 @@ def _batches():
 
 
 def _reference(name):
-    model = _build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        loss = _loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model = adamw_steps(_build(name), _batches(), _loss, lr=LR)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

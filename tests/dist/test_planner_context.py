@@ -20,6 +20,7 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.passes.plan import Plan
 from autopar.search.planner import clear_cache, plan_for
 from harness import world
+from reference_train import adamw_steps
 
 BATCH, SEQ, STEPS, TOL, LIMIT = 2, 256, 3, 1e-9, 2 * 2**20
 
@@ -44,15 +45,7 @@ def _loss(logits, y):
 
 
 def _reference():
-    model = _build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for x, y in _batches():
-        loss = _loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, model = adamw_steps(_build(), _batches(), _loss, lr=1e-2)
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
