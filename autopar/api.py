@@ -346,7 +346,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             pipe = plan.extra["pipeline"]
             target = plan.predicted["estimate"] if plan.predicted.get("source") == "planner" else plan.predicted
             target.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
-                          peak_bytes_per_pp_rank=pipe["rank_memory_bytes"])
+                          peak_bytes_per_pp_rank=pipe["rank_memory_bytes"], peak_bytes=max(pipe["rank_memory_bytes"]),
+                          peak_bytes_source=pipe.get("rank_memory_source", "stage search"))
     elif mesh.size("ep") > 1:
         from autopar.runtime.moe import ExpertProgram  # noqa: PLC0415
 

@@ -104,6 +104,7 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
     S = pp * v
     hw = _hardware(plan, mesh, hardware)
     complete = len(plan.split_points) == S - 1
+    gc = None
     try:
         gc = analyze(global_gm, hw)
         rows = _global_rows(gc, global_gm)
@@ -111,6 +112,7 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
         micro = rows // per if rows and rows % per == 0 else None
         chain = layer_costs(global_gm, hw, gc=gc, microbatch=micro, zero_stage=plan.zero_stage, dp=plan.dp)
     except Exception as e:  # noqa: BLE001 - a graph the cost model cannot cost still gets a split; it is reported
+        gc = None
         chain = count_chain(global_gm)
         memory_limit = math.inf if memory_limit is None else memory_limit
         plan.notes.append(f"the cost model could not cost this graph ({type(e).__name__}: {str(e)[:160]}); "
@@ -130,8 +132,36 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
         "p2p_s": res.p2p_s, "stage_time_s": res.stage_time_s, "rank_memory_bytes": res.rank_memory,
         "memory_limit_bytes": res.memory_limit if math.isfinite(res.memory_limit) else None,
         "step_s": res.step_s, "bubble": res.bubble, "hardware": res.hardware, "search_s": round(res.seconds, 3),
+        "rank_memory_source": "stage search",
     }  # fmt: skip
+    if (gc is not None and v == 1 and name in ("gpipe", "1f1b") and plan.mesh.get("ep", 1) == 1
+            and any(str(k) == "b" for k in gc.values())):  # a static batch: the global graph is not a rank's
+        _estimated_rank_memory(gc, plan, hw, name)
     return res
+
+
+def _estimated_rank_memory(gc, plan: Plan, hw: Any, schedule: str) -> None:
+    """Per-rank peak of the chosen split from `cost.estimate` (each rank's stage graph walked
+    with its in-flight micro-batches, the loss on the last: the model checked against measured
+    step peaks in tests/dist/test_memory_truth.py) in place of the stage search's coarser walk,
+    which only chose the split. One stage per rank under GPipe and 1F1B: the schedules whose
+    in-flight counts `cost.pipeline_memory.in_flight` knows."""
+    import dataclasses  # noqa: PLC0415
+
+    from autopar.cost import estimate  # noqa: PLC0415
+
+    try:
+        est = estimate(gc, dataclasses.replace(plan, schedule=schedule), hw, batch_is_global=True)
+    except Exception as e:  # noqa: BLE001 - the split stands; its memory stays the search's, and says so
+        plan.notes.append(f"per-rank pipeline memory from the stage search: cost.estimate failed on the split "
+                          f"({type(e).__name__}: {str(e)[:120]})")
+        return
+    peaks = est.memory.get("peak_per_pp_rank")
+    if peaks:
+        info = plan.extra["pipeline"]
+        info["rank_memory_search_bytes"] = info["rank_memory_bytes"]
+        info["rank_memory_bytes"] = [float(x) for x in peaks]
+        info["rank_memory_source"] = "cost.estimate"
 
 
 def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *,

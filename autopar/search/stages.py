@@ -2,7 +2,7 @@
 
 The graph is a chain of units (`passes.split_pipeline.pipeline_units`: `tok_emb`,
 `layers.0` ... `layers.79`, `norm`, `lm_head`; cuts fall only on these module edges). Each
-unit is costed once with `autopar.cost` (`analyze` + `estimate`, which cost identical layers
+unit is costed once (`search.stage_costs`) with `autopar.cost` (`analyze` + `estimate`, which cost identical layers
 once): forward and backward seconds per micro-batch, bytes saved for backward, the model
 states of the parameters it reads (parameters, gradients, fp32 masters and optimizer state
 under the plan's ZeRO stage and dp degree; a parameter read by two units, such as a tied
@@ -12,9 +12,14 @@ boundary (every tensor made before it and read after it).
 For S stages (pipeline ranks x virtual stages per rank) the search solves, exactly:
 
     minimise   max over stages s of  T_s = F_s + B_s + p2p(in_s) + p2p(out_s)
-    subject to M_s = states_s + k_s * (saved_s + in_s) <= memory_limit / v     for every stage
+    subject to M_s <= memory_limit / v                                           for every stage
+      M_s = states_s + max(k_s * (saved_s + in_s + held_s) + bwd0_s,  buckets_s + in_s,  update_s)
                every pinned unit starts a stage; every stage holds at least one unit
 
+(held_s: the outputs a stage keeps until their backward, on the last stage the logits and the
+loss's saved log-softmax; bwd0_s: the received output gradient, on the last stage the loss
+backward's; buckets_s: the flat gradient buckets below ZeRO-3 with dp; update_s: the optimizer
+update's temporary: the phases `cost.estimate` walks, see `cost.memory.CROSS_ENTROPY`),
 where F/B are the stage's forward/backward seconds per micro-batch, p2p(x) the time of one
 point-to-point transfer of x bytes on the pp axis's link (0 between stages on one rank),
 k_s the most micro-batches whose activations stage s holds at once under the schedule
@@ -24,8 +29,10 @@ A first DP over (stage, last unit) finds the optimal bottleneck T*; a second DP,
 splits whose stages all stay within T*, minimises the sum of T_s^2 (balance), both
 O(S L^2). The chosen split is then dry-run by `cost.schedule.simulate` with the
 per-stage times for the predicted step time and bubble, and its exact per-rank memory is
-taken from the schedule's timeline. Not modelled: workspace and transient peaks inside a
-layer, recompute (`memory_limit` defaults to 90 % of the device for that headroom).
+taken from the schedule's timeline (autopar/pipeline_build.py then reports `cost.estimate`'s
+walk of the chosen split where it models the schedule: 7 % under to 10 % over it on gpt-tiny).
+Not modelled: workspace and transient peaks inside a layer, recompute (`memory_limit` defaults
+to 90 % of the device for that headroom).
 
 Impossible requests raise ValueError with the numbers: more stages than units, pins that
 are not units or too many, and memory no split fits (with the smallest achievable
@@ -41,232 +48,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 import torch.fx as fx
 
-from autopar.cost import GraphCost, analyze, estimate, evaluate, load_profile
-from autopar.cost.memory import device_resident, plan_states, resolve_precision
+from autopar.cost import load_profile
+from autopar.cost.memory import CROSS_ENTROPY
 from autopar.cost.comm import axis_links, collective_time
-from autopar.passes.plan import Plan
-from autopar.passes.split_pipeline import Unit, brief_names, pipeline_units
+from autopar.passes.split_pipeline import brief_names
+from autopar.search.stage_costs import Chain, LayerCost, count_chain, cross_bytes, layer_costs
 from autopar.cost.schedule import Schedule, held_peaks, in_flight_per_stage, make_schedule, simulate
 
 __all__ = ["LayerCost", "Chain", "StageSearch", "layer_costs", "count_chain", "best_split", "in_flight_per_stage",
            "search_stages", "n_virtual_for", "cross_bytes"]
-
-
-# ------------------------------------------------------------------------ per-unit costs
-@dataclass(frozen=True)
-class LayerCost:
-    """One unit of the chain, per micro-batch."""
-
-    name: str
-    fwd_s: float
-    bwd_s: float
-    act_bytes: float  # saved for backward
-    params: tuple[str, ...] = ()  # names of the parameters (and buffers) it reads
-
-
-@dataclass
-class Chain:
-    """The costed chain: units, state bytes per parameter, bytes across each boundary."""
-
-    layers: list[LayerCost]
-    state_bytes: dict[str, float]  # parameter or buffer name -> bytes on a rank that holds it
-    cross_bytes: list[float]  # entry i: bytes from units <= i to units > i (len(layers) - 1)
-    sizes: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    def __post_init__(self):
-        if len(self.cross_bytes) != max(len(self.layers) - 1, 0):
-            raise ValueError(f"a chain of {len(self.layers)} units has {len(self.layers) - 1} boundaries, "
-                             f"got {len(self.cross_bytes)} cross_bytes")
-
-
-def layer_costs(gm: fx.GraphModule, hardware: Any = "h100-sxm", *, gc: GraphCost | None = None,
-                microbatch: int | None = None, optimizer: Any = "adamw", zero_stage: int = 0, dp: int = 1,
-                master_dtype: Any = "auto") -> Chain:
-    """Cost every pipeline unit of `gm` for one micro-batch.
-
-    Args:
-        gm: the captured graph (global shapes).
-        hardware: profile name or Hardware.
-        gc: its `analyze` result, when already computed.
-        microbatch: rows of one micro-batch (on one dp rank). With a dynamic batch dim the graph
-            is re-costed at b = microbatch; with a static one, times and activations scale by
-            microbatch / captured rows. None: as captured.
-        optimizer, zero_stage, dp, master_dtype: the model-state accounting (`model_states`).
-    """
-    t0 = time.perf_counter()
-    hw = load_profile(hardware)
-    gc = gc if gc is not None else analyze(gm, hw)
-    units = pipeline_units(gm)
-    unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
-    sizes: dict[str, int] = {}
-    scale = 1.0
-    symbols = {str(k) for k in gc.values()}
-    if microbatch is not None:
-        if "b" in symbols:
-            sizes["b"] = int(microbatch)
-        else:
-            rows = _captured_rows(gm)
-            if rows:
-                scale = microbatch / rows
-    est = estimate(gc, Plan(mesh={"dp": 1}), hw, sizes=sizes or None, optimizer=optimizer)
-    # cost layers -> units, by where their nodes went (the root's nodes join a neighbour)
-    votes: dict[str, dict[int, int]] = {}
-    for n in gc.nodes:
-        u = unit_of.get(n.name)
-        if u is not None:
-            d = votes.setdefault(n.layer, {})
-            d[u] = d.get(u, 0) + 1
-    fwd = [0.0] * len(units)
-    bwd = [0.0] * len(units)
-    act = [0.0] * len(units)
-    for rep in est.layers:
-        d = votes.get(rep.name)
-        u = max(sorted(d), key=d.__getitem__) if d else 0
-        fwd[u] += rep.fwd_s * scale
-        bwd[u] += rep.bwd_s * scale
-        act[u] += rep.saved_bytes * scale
-    # parameters each unit reads, directly or through input-free computation (a weight cast)
-    key_name = {p.key: p.name for p in gc.params if p.key is not None}
-    through: dict[Any, frozenset] = {}
-    reads: list[set[str]] = [set() for _ in units]
-    top = {n.name for n in gm.graph.nodes}
-    cur = 0
-    for n in gc.nodes:
-        got: set[str] = set()
-        for k in n.uses:
-            if k in key_name:
-                got.add(key_name[k])
-            got |= through.get(k, frozenset())
-        u = unit_of.get(n.name)
-        if u is None and n.name not in top:
-            u = cur  # a node inlined from a higher-order op: its caller's unit
-        if u is None:  # input-free: hand its parameters on to whoever reads its outputs
-            for k in n.new_storages:
-                through[k] = frozenset(got)
-            for t in n.outputs:
-                through[t.key] = frozenset(got)
-            continue
-        cur = u
-        reads[u] |= got
-    states = _state_bytes(gc, optimizer, zero_stage, dp, master_dtype)
-    cross = cross_bytes(gm, gc, units, sizes, scale)
-    layers = [LayerCost(u.name, fwd[i], bwd[i], act[i], tuple(sorted(reads[i]))) for i, u in enumerate(units)]
-    return Chain(layers, states, cross, sizes, time.perf_counter() - t0)
-
-
-def count_chain(gm: fx.GraphModule) -> Chain:
-    """A chain costed without the cost model, for graphs it cannot cost: time = the unit's
-    compute nodes (forward 1, backward 2 each), state = 16 bytes per parameter element (fp32
-    parameter, gradient, two Adam moments), no activations or transfers. Balances node counts."""
-    units = pipeline_units(gm)
-    by_name = {n.name: n for n in gm.graph.nodes}
-    layers = []
-    state: dict[str, float] = {}
-    for u in units:
-        reads: set[str] = set()
-        stack = [by_name[x] for x in u.nodes]
-        seen: set = set()
-        while stack:
-            n = stack.pop()
-            for a in n.all_input_nodes:
-                if a in seen or a.op == "placeholder" or a.name in u.nodes:
-                    continue
-                seen.add(a)
-                if a.op == "get_attr":
-                    t = gm.get_parameter(str(a.target)) if _is_param(gm, str(a.target)) else None
-                    if t is not None:
-                        reads.add(str(a.target))
-                        state[str(a.target)] = float(t.numel() * 16)
-                elif not _depends_on_input(a):
-                    stack.append(a)
-        work = sum(1 for x in u.nodes if by_name[x].op == "call_function")
-        layers.append(LayerCost(u.name, float(work), 2.0 * work, 0.0, tuple(sorted(reads))))
-    return Chain(layers, state, [0.0] * (len(units) - 1))
-
-
-def _is_param(gm: fx.GraphModule, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
-
-
-def _depends_on_input(n: fx.Node) -> bool:
-    seen, stack = set(), [n]
-    while stack:
-        m = stack.pop()
-        if m.op == "placeholder":
-            return True
-        for a in m.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return False
-
-
-def _captured_rows(gm: fx.GraphModule) -> int | None:
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], int):
-            return int(v.shape[0])
-    return None
-
-
-def _state_bytes(gc: GraphCost, optimizer, zero_stage: int, dp: int, master_dtype,
-                 precision: Mapping[str, Any] | None = None) -> dict[str, float]:
-    """Device bytes of each parameter's states (`cost.memory.plan_states`, as the engine keeps
-    them; with offload only what stays on the device). `precision`: Plan fields; None: the
-    model's default recipe ("auto"; master_dtype None: no masters, the captured dtypes)."""
-    prec = resolve_precision(gc.params, precision)
-    if precision is None and master_dtype is None:
-        prec.update(param_dtype=None, master_dtype=None, reduce_dtype=None, optim_dtype=None, loss_scale=None)
-    z = zero_stage if dp > 1 else 0
-    sb = plan_states(gc.params, optimizer, precision=prec, zero_stage=z, dp=dp, rank=0)
-    out = {name: float(sum(device_resident(row, prec["offload"], z)[0].values())) for name, row in sb.per_param.items()}
-    for p in gc.params:
-        if p.is_buffer:
-            out[p.name] = float(p.numel * p.dtype.itemsize)
-    return out
-
-
-def cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dict, scale: float) -> list[float]:
-    """Bytes of the tensors that cross each unit boundary (made before it, read after it)."""
-    L = len(units)
-    unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
-    values = gc.values(sizes or None)
-    diff = [0.0] * (L + 1)
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            p = -1
-        elif n.name in unit_of:
-            p = unit_of[n.name]
-        else:
-            continue
-        v = n.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            continue
-        last = p
-        for u in n.users:
-            last = max(last, L - 1 if u.op == "output" else unit_of.get(u.name, p))
-        lo = max(p, 0)
-        if last <= lo:
-            continue
-        numel = 1
-        for d in gc.symbols.shape(v.shape):
-            numel = numel * d
-        nbytes = float(evaluate(numel * v.dtype.itemsize, values)) * scale
-        diff[lo] += nbytes
-        diff[last] -= nbytes
-    out, run = [], 0.0
-    for i in range(L - 1):
-        run += diff[i]
-        out.append(run)
-    return out
 
 
 # ------------------------------------------------------------------------ schedules
@@ -521,9 +313,39 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
     def states(i: int, j: int) -> float:
         return po[j] - po[i] + sum(b for b, cnt in shared if cnt[j] > cnt[i])
 
+    # gradient buckets: a parameter's on the first unit that reads it (a tied one, read on two
+    # stages, is counted on the first only: a small under-count on the other)
+    # and the optimizer update's temporary, likewise
+    bk = [0.0] * (L + 1)
+    sk = [0.0] * (L + 1)
+    first: dict[int, float] = {}
+    first_step: dict[int, float] = {}
+    for p, us in readers.items():
+        first[us[0]] = first.get(us[0], 0.0) + chain.bucket_bytes.get(p, 0.0)
+        first_step[us[0]] = first_step.get(us[0], 0.0) + chain.step_bytes.get(p, 0.0)
+    for i in range(L):
+        bk[i + 1] = bk[i] + first.get(i, 0.0)
+        sk[i + 1] = sk[i] + first_step.get(i, 0.0)
+
+    def held_out(s: int, j: int) -> float:
+        """What one in-flight micro-batch holds beyond its saved activations: a stage before the
+        last keeps the outputs it sent until their backward; the last keeps the logits (`step`
+        holds the outputs) and the loss's saved log-softmax (`cost.memory.CROSS_ENTROPY`)."""
+        if s < S - 1:
+            return chain.cross_bytes[j - 1]
+        return (1.0 + CROSS_ENTROPY.saved) * chain.loss_bytes
+
+    def at_backward(s: int, j: int) -> float:
+        """Alive only while the stage's backward starts: the received gradient of its outputs (the
+        last stage: the outputs' gradient and the loss backward's temporary)."""
+        if s < S - 1:
+            return chain.cross_bytes[j - 1]
+        return (1.0 + CROSS_ENTROPY.grad_temp) * chain.loss_bytes
+
     def m_stage(s: int, i: int, j: int) -> float:
         inb = chain.cross_bytes[i - 1] if s > 0 else 0.0
-        return states(i, j) + k[s] * (pa[j] - pa[i] + inb)
+        act_s = k[s] * (pa[j] - pa[i] + inb + held_out(s, j)) + at_backward(s, j)
+        return states(i, j) + max(act_s, bk[j] - bk[i] + inb, sk[j] - sk[i])
 
     starts, bottleneck = best_split(L, S, t_stage, m_stage, per_stage_limit, [index[p] for p in pins])
     ends = starts[1:] + [L]
@@ -533,8 +355,12 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
     bwd = [sum(x.bwd_s for x in layers[starts[s]:ends[s]]) for s in range(S)]
     p2p_s = [hop[starts[s + 1] - 1] for s in range(S - 1)]
     sim = simulate(sched, f=fwd, b=bwd, p2p=p2p_s)
-    act = [(pa[ends[s]] - pa[starts[s]]) + (chain.cross_bytes[starts[s] - 1] if s else 0.0) for s in range(S)]
-    rank_mem = _rank_memory(sched, [states(starts[s], ends[s]) for s in range(S)], act)
+    act = [(pa[ends[s]] - pa[starts[s]]) + (chain.cross_bytes[starts[s] - 1] if s else 0.0) + held_out(s, ends[s])
+           for s in range(S)]
+    rank_mem = _rank_memory(sched, [states(starts[s], ends[s]) for s in range(S)], act,
+                            [at_backward(s, ends[s]) for s in range(S)],
+                            [bk[ends[s]] - bk[starts[s]] + (chain.cross_bytes[starts[s] - 1] if s else 0.0)
+                             for s in range(S)], [sk[ends[s]] - sk[starts[s]] for s in range(S)])
     notes = [f"pipeline split by DP over {L} units into {S} stages ({n_ranks} ranks x {n_virtual}): "
              f"starts at {[names[i] for i in starts[1:]]}; bottleneck stage {max(range(S), key=st_time.__getitem__)} "
              f"{bottleneck * 1e3:.3g} ms per micro-batch; {sched.name} with {n_microbatches} micro-batches "
@@ -552,6 +378,15 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
     )  # fmt: skip
 
 
-def _rank_memory(sched: Schedule, states: list[float], act: list[float]) -> list[float]:
-    """Per rank: its stages' states plus the largest sum of held activations along its actions."""
-    return [sum(states[s] for s in sched.stages_of(r)) + held for r, held in enumerate(held_peaks(sched, act))]
+def _rank_memory(sched: Schedule, states: list[float], act: list[float], at_bwd: list[float],
+                 buckets: list[float], step: list[float]) -> list[float]:
+    """Per rank: its stages' states plus the largest of: the most held activations along its
+    actions with the largest backward-start temporary of its stages on top; its stages'
+    gradient buckets with their inputs (the end of backward); the optimizer update's temporary
+    (the three phases `cost.estimate` walks)."""
+    out = []
+    for r, held in enumerate(held_peaks(sched, act)):
+        mine = sched.stages_of(r)
+        out.append(sum(states[s] for s in mine) + max(held + max(at_bwd[s] for s in mine),
+                                                      sum(buckets[s] for s in mine), sum(step[s] for s in mine)))
+    return out

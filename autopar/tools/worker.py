@@ -144,68 +144,14 @@ def bench(job: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------ running plans
-def _held_tensor_bytes(root: Any) -> float:
-    """Bytes of the CPU tensor storages reachable from `root` (each storage once): what one
-    plan's model, optimizer and runtime hold. The walk follows containers, objects and closures,
-    never a function's module globals (which would reach everything in the process)."""
-    import types
-
-    seen: set[int] = set()
-    storages: set[int] = set()
-    total = 0
-    stack = [root]
-    while stack:
-        o = stack.pop()
-        if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float)):
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            try:
-                if o.device.type == "cpu" and not o.is_meta:
-                    st = o.untyped_storage()
-                    if st.data_ptr() and st.data_ptr() not in storages:
-                        storages.add(st.data_ptr())
-                        total += st.nbytes()
-            except Exception:  # noqa: BLE001 - fake or otherwise unusual tensors own no CPU memory
-                pass
-            if o.grad is not None:
-                stack.append(o.grad)
-            continue
-        if isinstance(o, types.FunctionType):
-            stack += [c.cell_contents for c in (o.__closure__ or ()) if _cell_ok(c)] + list(o.__defaults__ or ())
-            continue
-        if isinstance(o, types.MethodType):
-            stack.append(o.__self__)
-            continue
-        stack += gc.get_referents(o)
-    return float(total)
-
-
-def _cell_ok(c) -> bool:
-    try:
-        c.cell_contents
-        return True
-    except ValueError:
-        return False
-
-
 def _cpu_step_peak(step, holder: Any) -> float:
-    """Peak CPU tensor memory of one plan during `step()`: the tensors `holder` holds before it
-    plus the largest rise the profiler's allocation events show during it."""
-    from torch.profiler import ProfilerActivity, profile
+    """Peak CPU memory of one plan during `step()`: the storages reachable from `holder` when it
+    starts plus the largest rise of the profiler's allocation records replayed in time order
+    (`autopar.tools.step_memory`, the measurement tests/dist/test_memory_truth.py holds the cost
+    model to)."""
+    from autopar.tools.step_memory import step_peak
 
-    gc.collect()
-    base = _held_tensor_bytes(holder)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in prof.events() if (e.cpu_memory_usage if e.name == "[memory]" else
-                                               e.self_cpu_memory_usage))
-    cur = peak = 0.0
-    for _t, d in events:
-        cur += d
-        peak = max(peak, cur)
-    return base + peak
+    return step_peak(step, *holder).peak
 
 
 class Session:
