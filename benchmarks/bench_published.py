@@ -76,6 +76,11 @@ CPU (megatron-1t 220 s and megatron-530b 135 s, mostly the unpinned planner over
 ranks); `--no-planner` (the published plans only) 6 min wall, 4.5 min CPU. Over the ~5 minute
 aim; an OVER row is costed twice (with the limit, then without).
 
+Overlap is priced with the profiles' `contention` (compute beside an in-flight collective runs
+1.189 times slower on both GPU profiles, arXiv 2507.03114; `autopar.cost.overlap`) since
+2026-11-26: ZeRO gathers, bucketed gradient reductions and pipeline transfers no longer hide
+behind compute for free.
+
 Profiles: A100 rows on `a100-80gb`, H100 rows on `h100-sxm`, widened to the row's node count
 with `Hardware.with_nodes` as bench_planner does for 405B. Memory limit: the planner's default
 (90 % of the device) except torchtitan-70b, whose GPUs have 96 GB (limit 90 % of 96 GB).

@@ -29,7 +29,9 @@ Time (alpha-beta): steps * alpha + bytes_sent / (bandwidth * efficiency), with
 Links per mesh axis (`axis_links`): ranks are laid out row-major over the mesh axes (the last
 axis varies fastest, as `runtime.mesh.Mesh`), `gpus_per_node` consecutive ranks share a node;
 an axis whose groups stay inside a node uses the intra-node link (NVLink/NVSwitch), one
-whose groups span nodes the inter-node link (InfiniBand/RoCE, per-GPU bandwidth).
+whose groups span nodes the inter-node link (InfiniBand/RoCE, per-GPU bandwidth). Each
+AxisLink carries the profile's `contention` for its kind of link: how much slower compute
+runs while a collective on this axis overlaps it (`cost.overlap`).
 
 It reads no `node.meta`. Guarantees: every (op, algorithm) pair either has a formula here or
 raises ValueError naming the supported ones; a group of one rank costs nothing.
@@ -155,6 +157,7 @@ class AxisLink:
     link: Link
     efficiency: float
     inter_node: bool
+    contention: float = 0.0  # compute runs (1 + contention) times slower while a collective here overlaps it
 
     def algorithm(self, op: str, nbytes: float, algorithm: str = "auto") -> str:
         """`algorithm`, or for "auto" the faster of the ones `op` has (as NCCL's tuner picks)."""
@@ -203,7 +206,7 @@ def axis_links(hardware: Hardware, mesh: Mapping[str, int]) -> dict[str, AxisLin
         inter = axis_spans_nodes(mesh, axis, hardware.gpus_per_node)
         link = hardware.inter_node if inter else hardware.intra_node
         eff = hardware.eff("inter_node" if inter else "intra_node")
-        out[axis] = AxisLink(axis, size, link, eff, inter)
+        out[axis] = AxisLink(axis, size, link, eff, inter, hardware.contention_for(inter))
     return out
 
 

@@ -30,7 +30,11 @@ buffers pad every parameter's rows to ceil(rows/n): `memory.padded_numel`):
            its gradients reduce-scattered after its backward. A unit read again after
            another one is gathered again (the runtime frees the previous unit on a switch).
 Exposed communication = what is left after the overlap; step = forward + backward + exposed
-communication + optimizer step (memory bound).
+communication + optimizer step (memory bound). Overlap is not free: while a bucket reduction or
+a ZeRO-3 gather / reduce-scatter is in flight, the compute beside it runs (1 + k) times slower,
+k the profile's `contention` for the axis' link (`cost.overlap`; 0 on cpu-gloo), so the exposed
+communication is what cannot hide behind the slowed compute, and `contention_s` (part of
+`comm_exposed_s`) the slowdown itself. Blocking collectives (tensor parallel) overlap nothing.
 
 Memory per rank: model states (`memory.model_states`), plus the activation peak from the
 liveness walk (`memory.liveness` with the `CROSS_ENTROPY` loss around the outputs), plus
@@ -97,6 +101,7 @@ from .pipeline_memory import in_flight, stage_graph, stage_of_nodes
 from .timeline import regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
+from .overlap import CommStream
 from .zero_comm import grad_buckets, zero3_timeline
 
 __all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
@@ -260,7 +265,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         bwd_end[n.index] = t
     bwd_total = t
     comm_total = comm_exposed = 0.0
-    fwd_exposed = bwd_exposed = step_exposed = 0.0
+    fwd_exposed = bwd_exposed = step_exposed = 0.0  # what overlapped communication adds (slowdown included)
+    contention_s = 0.0  # the part of it that is compute slowed by concurrent collectives
     transient = 0.0
     if dp > 1 and trainable:
         al = links[dp_axis]
@@ -269,16 +275,23 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             op = "all_reduce" if zero < 2 else "reduce_scatter"
             payloads = [float(sum((local[p.name] if zero < 2 else dp * padded[p.name]) * grad_item[p.name]
                                   for p in members)) for members in buckets]
-            free = 0.0
+            # the last micro-batch's backward beside the reduction stream: slowed by the link's
+            # contention while a bucket is in flight (`overlap.CommStream`)
+            stream = CommStream(al.contention)
+            t_c = w_c = 0.0  # the compute's wall time and the backward work done by then
             for members, payload in zip(buckets, payloads):
                 ready = max(bwd_end[min(p.first_use, len(gc.nodes) - 1)] if p.first_use < len(gc.nodes)
                             else bwd_total for p in members)
+                if ready > w_c:  # (a bucket ready earlier waits behind the previous one anyway)
+                    t_c = stream.run(t_c, ready - w_c) if stream.k > 0 else ready
+                    w_c = ready
                 d = al.time(op, payload, algorithm)
-                start = max(ready, free)
-                free = start + d
+                stream.issue(t_c, d)
                 comm_total += d
                 add_comm(op, dp_axis, "backward", payload, d, 0.0)
-            bwd_exposed = max(0.0, free - bwd_total)
+            t_end = stream.run(t_c, bwd_total - w_c) if stream.k > 0 else bwd_total
+            contention_s = t_end - bwd_total
+            bwd_exposed = max(0.0, stream.free - t_end) + contention_s
             if comm_reports.get((op, dp_axis, "backward")):
                 comm_reports[(op, dp_axis, "backward")].exposed_s = bwd_exposed
             # every bucket's flat buffer lives until backward finishes (GradReducer: the copy;
@@ -292,8 +305,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                     step_exposed += d
                     add_comm("all_gather", dp_axis, "step", payload, d, d)
         else:
-            fwd_exposed, bwd_exposed, ct, transient = zero3_timeline(gc, fwd_t, bwd_t, al, algorithm, dp, grad_item,
-                                                               padded, add_comm, layer_comm)
+            fwd_exposed, bwd_exposed, ct, transient, contention_s = zero3_timeline(
+                gc, fwd_t, bwd_t, al, algorithm, dp, grad_item, padded, add_comm, layer_comm)
             comm_total += ct
     comm_total += graph_comm_total
     comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total
@@ -449,7 +462,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         hardware=hw.name, mesh=mesh, zero_stage=zero, sizes={str(k): int(v) for k, v in values.items()},
         world_size=math.prod(mesh.values()), step_s=step_s, fwd_s=fwd_s, bwd_s=bwd_s + bwd_exposed,
         optimizer_s=optimizer_s, comm_s=comm_total, comm_exposed_s=comm_exposed,
-        comm_overlapped_s=max(0.0, comm_total - comm_exposed), fwd_flops=fwd_flops, bwd_flops=bwd_flops, mfu=mfu,
+        comm_overlapped_s=max(0.0, comm_total - (comm_exposed - contention_s)), contention_s=contention_s, fwd_flops=fwd_flops, bwd_flops=bwd_flops, mfu=mfu,
         memory=memory, bytes_per_axis=per_axis,
         comm=sorted(comm_reports.values(), key=lambda r: (r.phase, r.axis, r.op)), layers=layers,
         unknown_ops=dict(sorted(gc.unknown_ops.items())), unknown_saved=dict(sorted(gc.unknown_saved.items())),

@@ -52,7 +52,7 @@ class Estimate:
     bwd_s: float  # all micro-batches' backward, including communication it waits for
     optimizer_s: float
     comm_s: float  # every collective's time
-    comm_exposed_s: float  # the part not hidden behind compute
+    comm_exposed_s: float  # the part not hidden behind compute (with the compute slowdown it causes)
     comm_overlapped_s: float
     fwd_flops: float  # per rank, FlopCounterMode convention
     bwd_flops: float
@@ -67,6 +67,7 @@ class Estimate:
     ranks: str = "every rank alike (data parallel); figures are rank 0's, the largest ZeRO chunk"
     analysis_s: float = 0.0
     recompute_s: float = 0.0  # forward ops run again in backward (inside bwd_s and step_s)
+    contention_s: float = 0.0  # compute slowed by overlapped collectives (inside comm_exposed_s and step_s)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -98,7 +99,7 @@ class Estimate:
         return {"hardware": self.hardware, "sizes": dict(self.sizes), "step_s": self.step_s, "fwd_s": self.fwd_s,
                 "bwd_s": self.bwd_s, "optimizer_s": self.optimizer_s, "comm_s": self.comm_s,
                 "comm_exposed_s": self.comm_exposed_s, "mfu": self.mfu, "peak_bytes": self.memory["peak"],
-                "recompute_s": self.recompute_s,
+                "recompute_s": self.recompute_s, "contention_s": self.contention_s,
                 "capacity_bytes": self.memory["capacity"], "fits": self.fits,
                 "bytes_sent_per_axis": {a: b["sent"] for a, b in self.bytes_per_axis.items()}}
 
@@ -116,6 +117,7 @@ class Estimate:
         for k, v in [("step", _ms(self.step_s)), ("forward", _ms(self.fwd_s)), ("backward", _ms(self.bwd_s)),
                      ("optimizer", _ms(self.optimizer_s)), ("communication", _ms(self.comm_s)),
                      ("  exposed", _ms(self.comm_exposed_s)), ("  overlapped", _ms(self.comm_overlapped_s)),
+                     ("  compute slowed by it", _ms(self.contention_s)),
                      ("FLOPs fwd+bwd / rank", f"{self.fwd_flops + self.bwd_flops:.3e}"), ("MFU", f"{self.mfu:.1%}")]:
             summary.add_row(k, v)
         for k in ("params", "grads", "master", "optimizer", "buffers", "activations", "transient", "peak",

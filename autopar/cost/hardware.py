@@ -23,6 +23,12 @@ dicts merge key by key). A profile that sets a flat efficiency.matmul or .attent
 without a compute table for that kind drops the table it inherits for that kind: the most
 specific statement wins.
 
+An optional `"contention"` section (`{"intra_node": k, "inter_node": k, "source": ...}`) gives
+the compute slowdown under concurrent communication: while a collective on an axis of that
+kind of link runs beside compute (ZeRO gathers, bucketed gradient reductions, pipeline
+point-to-point), the compute runs (1 + k) times slower (`Hardware.contention_for`, read through
+`cost.comm.AxisLink.contention`; `cost.overlap` applies it). Without one, 0: overlap is free.
+
 `default_profile(device_type)` names the profile used when none is given.
 
 It reads and writes no `node.meta` keys. Guarantees: `load_profile` returns a validated,
@@ -52,6 +58,8 @@ KERNEL_CHOICES = {
     "layer_norm_stats": ("acc", "input_dtype"),
 }
 EFFICIENCY_KEYS = ("matmul", "attention", "vector", "memory", "intra_node", "inter_node")
+CONTENTION_KEYS = ("intra_node", "inter_node")  # the links a collective can run on
+MAX_CONTENTION = 4.0  # compute 5x slower under communication: beyond anything published (see h100-sxm.json)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,9 @@ class Hardware:
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH
     compute: ComputeTable | None = None  # efficiency by shape; None: the flat factors alone
+    # compute slowdown while a collective overlaps it, per link kind: compute time x (1 + k)
+    # over the overlapped interval (the profile's optional "contention" section; 0: none)
+    contention: Mapping[str, float] = field(default_factory=lambda: {k: 0.0 for k in CONTENTION_KEYS})
 
     @property
     def world_size(self) -> int:
@@ -137,6 +148,18 @@ class Hardware:
                 return e
         return self.efficiency["attention"]
 
+    def contention_for(self, inter_node: bool) -> float:
+        """The compute slowdown k (compute runs 1 + k times slower) while a collective on the
+        inter-node (True) or intra-node (False) link overlaps it."""
+        return float(self.contention.get("inter_node" if inter_node else "intra_node", 0.0))
+
+    def with_contention(self, intra_node: float, inter_node: float | None = None) -> "Hardware":
+        """A copy with the contention factors replaced (inter_node defaults to intra_node)."""
+        c = {"intra_node": intra_node, "inter_node": intra_node if inter_node is None else inter_node}
+        _check_contention(self.name, c)
+        return replace(self, contention={k: float(v) for k, v in c.items()},
+                       calibration={**self.calibration, "source": "calibrated"})
+
     def kernel_floor(self, kind: str) -> float:
         """The shortest device time of one kernel of `kind` (0 without a compute table)."""
         return self.compute.floor(kind) if self.compute is not None else 0.0
@@ -174,6 +197,7 @@ class Hardware:
             "kernel_overhead_s": d["kernel_overhead_s"], "kernels": dict(d["kernels"]),
             "calibration": dict(d["calibration"]),
             "host": {"bandwidth": d["host_bandwidth"], "memory_bandwidth": d["host_memory_bandwidth"]},
+            "contention": dict(d["contention"]),
             **({"compute": self.compute.to_dict()} if self.compute is not None else {}),
         }  # fmt: skip
 
@@ -226,6 +250,25 @@ def _raw(name_or_path: str | Path, seen: tuple[str, ...] = ()) -> dict:
     return d
 
 
+def _check_contention(name: str, c: Mapping[str, Any]) -> None:
+    bad = {k: v for k, v in c.items() if k in CONTENTION_KEYS
+           and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_CONTENTION)}
+    unknown = [k for k in c if k not in CONTENTION_KEYS + ("source", "note")]
+    if bad or unknown:
+        raise ValueError(f"profile {name!r}: contention needs {CONTENTION_KEYS} as numbers in [0, {MAX_CONTENTION}] "
+                         f"(the compute slowdown under concurrent communication: 0.19 = 19 % slower; "
+                         f"'source'/'note' may say where it comes from); out of range {bad}, unknown keys {unknown}")
+
+
+def _contention(d: Mapping[str, Any]) -> dict[str, float]:
+    c = d.get("contention") or {}
+    if not isinstance(c, Mapping):
+        raise ValueError(f"profile {d.get('name', '?')!r}: contention must be an object like "
+                         f'{{"intra_node": 0.19, "inter_node": 0.19}}, got {c!r}')
+    _check_contention(d.get("name", "?"), c)
+    return {k: float(c.get(k, 0.0)) for k in CONTENTION_KEYS}
+
+
 def from_dict(d: Mapping[str, Any]) -> Hardware:
     """Build and validate a Hardware from a profile dict (as stored in the JSON files)."""
     try:
@@ -246,6 +289,7 @@ def from_dict(d: Mapping[str, Any]) -> Hardware:
             host_bandwidth=float(d.get("host", {}).get("bandwidth", DEFAULT_HOST_BANDWIDTH)),
             host_memory_bandwidth=float(d.get("host", {}).get("memory_bandwidth", DEFAULT_HOST_MEMORY_BANDWIDTH)),
             compute=table_from_dict(d["compute"], d.get("name", "?")) if d.get("compute") is not None else None,
+            contention=_contention(d),
         )  # fmt: skip
     except KeyError as e:
         raise ValueError(f"hardware profile {d.get('name', '?')!r} lacks the key {e}; see "

@@ -11,7 +11,9 @@
                                            all-gathered when first read (prefetched one unit
                                            ahead), re-gathered in backward where autograd saved
                                            one of its parameters, its gradients reduce-
-                                           scattered after its backward; the exposed time
+                                           scattered after its backward; the exposed time,
+                                           the compute slowed by contention under the
+                                           collectives in flight (`overlap`)
 
 `estimate.estimate` and the planner's tables (`search.plan_tables`) cost data parallelism with
 these. Reads no node.meta. Deterministic.
@@ -24,6 +26,7 @@ from typing import Mapping
 from autopar.runtime.zero_shard import FIRST_BUCKET_MB, group_in_buckets
 
 from .graph import GraphCost, ParamInfo
+from .overlap import CommStream
 
 __all__ = ["FIRST_BUCKET_MB", "bucket_caps", "grad_buckets", "zero3_units", "zero3_timeline"]
 
@@ -67,8 +70,10 @@ def zero3_units(names: list[str]) -> dict[str, str]:
 def zero3_timeline(gc: GraphCost, fwd_t, bwd_t, al, algorithm, dp, grad_item, padded, add_comm, layer_comm):
     """ZeRO-3 (see the module docstring): gather events in forward order, each followed by its
     segment of nodes; backward walks the events in reverse, re-gathering before a segment whose
-    nodes saved parameters of its unit and reduce-scattering after it. Returns (fwd exposed,
-    bwd exposed, comm time, transient bytes)."""
+    nodes saved parameters of its unit and reduce-scattering after it; the compute slowed by
+    the link's contention while a collective is in flight (`overlap.CommStream`). Returns (fwd
+    exposed, bwd exposed, comm time, transient bytes, compute slowdown): the exposed times are
+    what the communication adds to the step, the slowdown included."""
     n_nodes = len(gc.nodes)
     params = [p for p in gc.params if not p.is_buffer]
     unit = zero3_units([p.name for p in gc.params])
@@ -109,42 +114,62 @@ def zero3_timeline(gc: GraphCost, fwd_t, bwd_t, al, algorithm, dp, grad_item, pa
             if j >= 0:
                 saved_in[seq[j][1]] = True
     layer_of = [gc.nodes[start].layer for start, _u in events]
-    total = 0.0
+    total = slowed = 0.0
+    stream = CommStream(al.contention)  # the compute slowed by (1 + k) while a collective is in flight
 
-    def gather_at(k: int, free: float, issue: float, phase: str) -> float:
+    def gather_at(k: int, issue: float, phase: str) -> float:
         nonlocal total
         u = events[k][1]
         d = al.time("all_gather", gather[u], algorithm)
         total += d
         add_comm("all_gather", al.axis, phase, gather[u], d, 0.0)
         layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
-        return max(free, issue) + d
+        return stream.issue(issue, d)
+
+    def run(t: float, work: float) -> float:
+        nonlocal slowed
+        if stream.k <= 0:
+            return t + work
+        end = stream.run(t, work)
+        slowed += end - t - work
+        return end
 
     # forward: gather k is issued once segment k-1 started (prefetch), segment k waits for it
-    t = pre_fwd
-    free = prev_start = 0.0
-    for k in range(len(events)):
-        free = gather_at(k, free, prev_start, "forward")
-        t = max(t, free)
-        prev_start = t
-        t += seg_fwd[k]
+    E = len(events)
+    ends = [0.0] * E
+    if E:
+        ends[0] = gather_at(0, 0.0, "forward")
+    t = run(0.0, pre_fwd)
+    for k in range(E):
+        t = max(t, ends[k])
+        if k + 1 < E:
+            ends[k + 1] = gather_at(k + 1, t, "forward")
+        t = run(t, seg_fwd[k])
     fwd_exp = t - pre_fwd - sum(seg_fwd)
-    # backward, in reverse: re-gather before a segment that needs it, reduce-scatter after
-    t = free = prev_start = 0.0
-    for k in reversed(range(len(events))):
+    # backward, in reverse: re-gather before a segment that needs it (issued when the segment
+    # after it starts, queued behind that segment's reduce-scatter), reduce-scatter after it
+    t = 0.0
+    stream = CommStream(al.contention)  # backward on a clock of its own, from 0
+    if E and saved_in[E - 1]:
+        ends[E - 1] = gather_at(E - 1, 0.0, "backward")
+    for k in reversed(range(E)):
         if saved_in[k]:
-            free = gather_at(k, free, prev_start, "backward")
-            t = max(t, free)
-        prev_start = t
-        t += seg_bwd[k]
+            t = max(t, ends[k])
+        start = t
         u = events[k][1]
+        early = k > 0 and saved_in[k - 1] and u not in trainable_units
+        if early:  # nothing queued before it: it overlaps this segment
+            ends[k - 1] = gather_at(k - 1, start, "backward")
+        t = run(t, seg_bwd[k])
         if u in trainable_units:
             d = al.time("reduce_scatter", rs[u], algorithm)
-            free = max(free, t) + d
+            stream.issue(t, d)
             total += d
             add_comm("reduce_scatter", al.axis, "backward", rs[u], d, 0.0)
             layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
-    t += pre_bwd
-    bwd_exp = max(t, free) - pre_bwd - sum(seg_bwd)
+        if k > 0 and saved_in[k - 1] and not early:
+            ends[k - 1] = gather_at(k - 1, start, "backward")
+    t = run(t, pre_bwd)
+    bwd_exp = max(t, stream.free) - pre_bwd - sum(seg_bwd)
     transient = 2 * dp * max(gather.values(), default=0.0)  # the gathered unit and the prefetched one
-    return fwd_exp, bwd_exp, total, transient
+    return fwd_exp, bwd_exp, total, transient, slowed

@@ -5,7 +5,9 @@ reduce-scatter, in buckets as the runtime forms them, each once its gradients ar
 ZeRO 1/2's parameter all-gather after the step); `zero3_exposed`: ZeRO 3's gathers and
 reduce-scatters not hidden behind the unit computation; `buckets`: per-unit gradients in
 buckets of the runtime's sizes. With context parallelism the link is the joined dp+cp axis'
-(`search.plan_context`), where gradients and ZeRO shards live.
+(`search.plan_context`), where gradients and ZeRO shards live. Overlap is not free: the compute
+beside a collective in flight runs (1 + k) times slower, k the link's contention
+(`cost.overlap`, as `cost.estimate` applies it), and the exposed terms include that slowdown.
 
 Pure functions of the tables' arrays: no node.meta. Deterministic.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.cost.overlap import CommStream, contention_of, overlap_extra
 from autopar.search.candidate import Candidate
 from autopar.search.plan_tables import UnitStates
 
@@ -50,10 +53,17 @@ def dp_sync(mine, starts, ends, B_s, B_u, end_r: float, st: UnitStates, dp_link,
     for x in range(ends[last] - 1, starts[last] - 1, -1):
         ready += B_u[x]
         ready_at.append((ready, float(st.grad_payload[x]), float(st.gather[x])))
-    free, after, t_all, b_all = t0, 0.0, 0.0, 0.0
+    # the backward beside the reduction stream, slowed by the link's contention while a bucket
+    # is in flight (`cost.overlap.CommStream`); `when` is a point of the backward's work
+    stream = CommStream(contention_of(dp_link), free=t0)
+    t_c = w_c = t0  # the compute's wall time, and the work done by then (as a full-speed time)
+    after, t_all, b_all = 0.0, 0.0, 0.0
     for when, payload, gpay, n in buckets(ready_at, bucket_bytes):
+        if when > w_c:
+            t_c = stream.run(t_c, when - w_c) if stream.k > 0 else when
+            w_c = when
         d = dp_link.time(op, payload)
-        free = max(free, when) + n * d  # n equal buckets ready together go one after another
+        stream.issue(t_c, n * d)  # n equal buckets ready together go one after another
         t_all += n * d
         b_all += n * dp_link.bytes_sent(op, payload)
         if z >= 1 and gpay > 0:
@@ -61,24 +71,27 @@ def dp_sync(mine, starts, ends, B_s, B_u, end_r: float, st: UnitStates, dp_link,
             after += g
             t_all += g
             b_all += n * dp_link.bytes_sent("all_gather", gpay)
-    return max(0.0, free - end_r), after, t_all, b_all
+    end_c = stream.run(t_c, end_r - w_c) if stream.k > 0 else end_r  # the backward's end, slowed
+    return max(0.0, stream.free - end_c) + (end_c - end_r), after, t_all, b_all
 
 
 def zero3_exposed(fwd: np.ndarray, bwd: np.ndarray, st: UnitStates, al) -> tuple[np.ndarray, np.ndarray]:
     """ZeRO-3 communication not hidden behind compute, per unit and micro-batch: forward,
     unit x gathered while unit x-1 computes; backward, gathered again while x+1's backward
-    runs, its gradients reduce-scattered on the same stream. `al`: the dp (dp+cp) link."""
+    runs, its gradients reduce-scattered on the same stream; the compute beside them slowed by
+    the link's contention (`cost.overlap.overlap_extra`). `al`: the dp (dp+cp) link."""
     L = len(fwd)
     f_exp, b_exp = np.zeros(L), np.zeros(L)
     if al is None:
         return f_exp, b_exp
     g = np.array([al.time("all_gather", float(x)) if x > 0 else 0.0 for x in st.gather])
     rs = np.array([al.time("reduce_scatter", float(x)) if x > 0 else 0.0 for x in st.grad_payload])
+    k = contention_of(al)
     for x in range(L):
         prev = fwd[x - 1] if x > 0 else 0.0
-        f_exp[x] = max(0.0, g[x] - prev)
+        f_exp[x] = overlap_extra(prev, g[x], k)
         nxt = bwd[x + 1] if x + 1 < L else 0.0
-        b_exp[x] = max(0.0, g[x] + (rs[x + 1] if x + 1 < L else 0.0) - nxt)
+        b_exp[x] = overlap_extra(nxt, g[x] + (rs[x + 1] if x + 1 < L else 0.0), k)
     b_exp[0] += rs[0]
     return f_exp, b_exp
 

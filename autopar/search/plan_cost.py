@@ -34,7 +34,13 @@ For a candidate:
            all-to-alls (dispatch and combine, forward and backward, blocking); the optimizer
            step (memory bound, as cost.estimate; with offload on the CPU after the host copies,
            `cost.memory.offload_step_seconds`). Compute at the plan's compute dtype (its
-           param_dtype) peak. The step is the slowest rank's.
+           param_dtype) peak. The step is the slowest rank's. Overlap is not free
+           (`cost.overlap`, the profile's `contention` k per link): compute beside a gradient
+           bucket or a ZeRO-3 gather / reduce-scatter in flight runs (1 + k) times slower, so
+           what is exposed is what cannot hide behind the slowed compute (as `cost.estimate`
+           prices it); a stage's compute is stretched by k x the work its pipeline transfers
+           overlap (per micro-batch 2 x (hop in + hop out), taken as overlapping its compute one
+           after another: an upper estimate where sends and receives run at once).
   memory   per rank: its stages' states (a parameter read on two stages counted on both) + the
            activations it holds at the schedule's worst point (F adds a micro-batch's saved
            bytes and its stage input, B/W release them) + the working set + communication
@@ -67,6 +73,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from autopar.cost.overlap import contention_of, slowdown
 from autopar.cost.schedule import held_peaks, simulate, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
 from autopar.search.expert import ep_cost
@@ -350,6 +357,15 @@ class PlanCostModel(PlanTables):
             states_s.append(base_st[s])
             cats_s.append(chain.categories(i, j))
             rc_s.append(rtime)
+        k_pp = contention_of(pp_link)
+        if S > 1 and k_pp > 0:  # pipeline transfers slow the compute beside them (`cost.overlap`)
+            hops = [float(hop[starts[s + 1] - 1]) for s in range(S - 1)]
+            for s in range(S):
+                busy = 2 * ((hops[s - 1] if s > 0 else 0.0) + (hops[s] if s < S - 1 else 0.0))
+                w = F_s[s] + B_s[s]
+                extra = slowdown(w, busy, k_pp)
+                if extra > 0:
+                    F_s[s], B_s[s] = F_s[s] + extra * F_s[s] / w, B_s[s] + extra * B_s[s] / w
         # per rank: its states by category and its optimizer step (no schedule needed)
         cats_r = [{k: sum(cats_s[s][k] for s in stages_of[r]) for k in CATEGORIES} for r in range(P)]
         st_r = [sum(states_s[s] for s in stages_of[r]) for r in range(P)]
