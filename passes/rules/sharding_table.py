@@ -2,7 +2,8 @@
 
 Each rule returns the valid strategies of one call (see passes/rules/sharding.py). Conventions:
 `S(d)` entries name dims of that argument; `P` is P(sum); a rule lists the replicated strategy
-too. Linear ops (views, sums, adds, matmuls in one operand, ...) propagate P. Every rule here
+too. Linear ops (views, sums, adds, matmuls in one operand, exact casts, ...) propagate P; a
+narrowing cast does not (it would round each partial: `exact_cast`). Every rule here
 is checked on gloo against the single-process op for each of its strategies
 (tests/dist/test_shard_rules_sweep.py).
 
@@ -13,9 +14,12 @@ from __future__ import annotations
 import operator
 
 import sympy
+import torch
+import torch.fx as fx
 
 from autopar.runtime.placement import R, Shard
 
+from .. import ir
 from .sharding import PS, OpView, Strategy, broadcast_maps, dim_map, replicated, rule
 
 # --- pointwise ----------------------------------------------------------------------------------
@@ -40,9 +44,43 @@ _BINARY = ("aten.maximum.default", "aten.minimum.default", "aten.pow.Tensor_Tens
            "aten.fmod.Tensor")
 
 
+_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default")
+
+
 @rule(*_LINEAR_UNARY)
 def _linear_unary(v: OpView):
-    return dim_map(v, broadcast_maps(v), partial=[(PS,)] if len(v.args_t) == 1 else ())
+    linear = len(v.args_t) == 1 and (v.op not in _CASTS or exact_cast(v.args_t[0], v.node))
+    return dim_map(v, broadcast_maps(v), partial=[(PS,)] if linear else ())
+
+
+def exact_cast(src: fx.Node, dst: fx.Node) -> bool:
+    """Whether every value of `src`'s dtype is exactly a value of `dst`'s (no cast, or a widening
+    one): only then is the cast of a sum the sum of the cast partials. A narrowing cast rounds
+    each partial (fp64 -> fp32: round(a) + round(b), where one process rounds a + b once: an
+    error of fp32's eps times the partials, seen as transformers' fp32 RMSNorm in an fp64 model
+    ending 2e-5 off under cp x tp); a cast to an integer truncates each partial. An unknown
+    dtype counts as not exact."""
+    a, b = _dtype(src), _dtype(dst)
+    if a is None or b is None:
+        return False
+    if a == b:
+        return True
+    if a.is_floating_point and b.is_floating_point:
+        fa, fb = torch.finfo(a), torch.finfo(b)
+        return fb.eps <= fa.eps and fb.max >= fa.max and fb.tiny <= fa.tiny
+    if a.is_floating_point or b.is_floating_point or a.is_complex or b.is_complex or torch.bool in (a, b):
+        return False
+    ia, ib = torch.iinfo(a), torch.iinfo(b)
+    return ib.min <= ia.min and ib.max >= ia.max
+
+
+def _dtype(n: fx.Node) -> torch.dtype | None:
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.dtype
+    i = ir.get_info(n)
+    d = getattr(torch, i.dtype, None) if i is not None and i.dtype else None
+    return d if isinstance(d, torch.dtype) else None
 
 
 @rule(*_UNARY, *_BINARY)
@@ -384,7 +422,8 @@ def _reduce(v: OpView):
             if v.can_shard(xs, d, x):
                 impl = "mean_partial" if v.op.startswith("aten.mean") else None
                 out.append(Strategy((Shard(d),), PS, 1.0 / v.k, impl))
-        out.append(Strategy((PS,), PS, 1.0))
+        if v.node.kwargs.get("dtype") is None or exact_cast(x, v.node):  # a narrowing dtype= rounds each partial
+            out.append(Strategy((PS,), PS, 1.0))
     del oshape
     return out
 
