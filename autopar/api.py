@@ -20,8 +20,9 @@ from autopar.runtime._torch_compat import pytree
 
 from autopar.build.materialize import has_meta_tensors, materialize, open_weights
 from autopar.build.model_tensors import model_tensors, shape_only_copy
-from autopar.build.plan_check import axis_notes, check_mesh_fits, check_plan_against_graph, stamp
-from autopar.capture import CaptureError, capture
+from autopar.build.plan_check import (axis_notes, check_mesh_fits, check_micro_batches, check_moe_aux_stats,
+                                      check_plan_against_graph, stamp)
+from autopar.capture import CaptureError, capture, capture_for_search
 from autopar.cost.hardware import default_profile
 from autopar.input_checks import check_captured_graph, check_example_inputs, check_step_batch, explain_capture_failure
 from autopar.passes.dump import write_graph
@@ -102,6 +103,7 @@ class ParallelModel(nn.Module):
 
     def step(self, batch, loss_fn, n_microbatches: int | None = None) -> torch.Tensor:
         n = n_microbatches or self._plan.n_microbatches
+        check_micro_batches(self._plan, n)  # MoE auxiliary statistics over the global batch: one micro-batch
         check_step_batch(batch, self.global_graph, self.mesh, dp_axis=self._plan.dp_axis, n_microbatches=n)
         return self.program.step(batch, loss_fn, n)
 
@@ -164,7 +166,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                 dump_dir: str | None = None, sync_init: bool = True, hardware: str | None = None,
                 memory_budget: float | int | None = None, memory_limit: float | None = None,
                 weights: Any = None, strict_weights: bool = True, precision: str | None = None,
-                offload: bool | None = None, context_method: str = "auto") -> ParallelModel:
+                offload: bool | None = None, context_method: str = "auto",
+                moe_aux_stats: str | None = None) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -203,12 +206,25 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             its own dtype, pure. Pass precision="bf16" for pure bf16 AdamW. Written into the
             Plan's precision fields (`passes.plan.precision_fields`), which the engine and
             `plan.predicted` both read; pins / a given plan's fields are overridden by it.
+            A mixed recipe on a wider model (fp32 under "bf16-mixed") captures the 16-bit program
+            the engine runs (parameters and floating inputs cast, buffers kept: capture.py
+            `compute_dtype`), so the model's `.to()` / `type_as` casts hold; masters stay fp32.
         offload: True keeps masters and optimizer states in CPU memory and steps there
             (ZeRO-Offload; any ZeRO stage). Default None: the plan's `offload` (False).
         context_method: on a mesh with a `cp` axis (context parallelism: each rank holds a
             zigzag chunk of every sequence), how attention sees the whole sequence: "ring"
             (K/V blocks around the ring, overlapped), "ulysses" (all-to-all to heads and back)
-            or "auto" (the cost model's choice; `plan.extra["context"]` says why).
+            or "auto" (the cost model's choice; `plan.extra["context"]` says why). On
+            `autopar.mesh(world_size=N)` the joint planner searches cp itself: token-id inputs
+            are captured with a symbolic sequence (capture.py `capture_for_search`) unless cp
+            cannot apply, which the plan's cp note then says (images, no attention, ...).
+        moe_aux_stats: how an MoE model's auxiliary losses (load balancing, router z-loss) see
+            the batch: "global" (default; None keeps a given plan's `plan.extra["moe_aux_stats"]`)
+            computes their router statistics as one process over the global batch (averaged over
+            dp, ep and cp), so n_microbatches > 1 (pipelines, gradient accumulation) is refused
+            before the first step and the joint planner plans one micro-batch; "micro_batch"
+            computes them per micro-batch (Megatron's recipe), named in plan.notes. Recorded in
+            `plan.extra["moe_aux_stats"]` for models with router statistics.
     """
     from autopar.passes.plan import engine_options as precision_options  # noqa: PLC0415
     from autopar.passes.plan import precision_fields  # noqa: PLC0415
@@ -232,10 +248,17 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     kwargs = dict(example_inputs) if isinstance(example_inputs, Mapping) else {}  # model(**batch), as in HF
     args = () if kwargs else tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
 
-    def _capture(a, kw):
+    # mixed precision on a wider model: capture the 16-bit program the engine runs (capture.py)
+    cast_to = _cast_dtype(precision_pins.get("param_dtype") if precision_pins.get("master_dtype") else None, model)
+
+    def _capture(a, kw, search_world: int | None = None):
+        """Capture at the plan's compute dtype; for the joint planner (`search_world` ranks) with a
+        symbolic sequence when cp could be chosen (`capture_for_search`), else as the mesh needs."""
+        opts = dict(example_kwargs=kw, leaf_modules=leaf_modules, device=run_device, compute_dtype=cast_to)
         try:
-            return capture(model, a, example_kwargs=kw, leaf_modules=leaf_modules, device=run_device,
-                           dynamic_seq=mesh.size("cp") > 1)
+            if search_world is not None:
+                return capture_for_search(model, a, search_world, cp=_cp_may_be_searched(pins), **opts)
+            return capture(model, a, dynamic_seq=mesh.size("cp") > 1, **opts)
         except CaptureError:
             why = explain_capture_failure(model, example_inputs)
             if why is None:
@@ -244,9 +267,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
 
     global_gm = None
     if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
-        global_gm = _capture(args, kwargs)
+        global_gm = _capture(args, kwargs, search_world=mesh.world_size)  # the sequence symbolic when cp may pay
         plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), pins, zero_stage, bucket_mb, n_microbatches, hardware,
-                                 memory_limit, precision_pins)  # offload None: the planner decides
+                                 memory_limit, precision_pins,  # offload None: the planner decides
+                                 moe_aux_stats or "global")
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
         fusions_pinned = True  # so are the fusions (chosen by the planner)
     plan = _default_plan(mesh, plan, pins, zero_stage, bucket_mb, n_microbatches)
@@ -260,9 +284,11 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     precision_engine = precision_options(plan, {p.dtype for p in model.parameters() if p.is_floating_point()})
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
     check_example_inputs(example_inputs, mesh, plan)
-    if global_gm is None:
+    cast_to = _cast_dtype(precision_engine.get("param_dtype"), model)  # the plan's compute dtype, mixed
+    if global_gm is None or global_gm.meta.get("autopar_capture", {}).get("compute_dtype") != _dtype_name(cast_to):
         global_gm = _capture(args, kwargs)
     check_captured_graph(global_gm, example_inputs)
+    plan.notes += check_moe_aux_stats(plan, global_gm, moe_aux_stats)  # refuses micro-batches under "global"
     if plan_given:
         plan.notes += check_plan_against_graph(plan, global_gm, mesh)
     else:
@@ -459,7 +485,7 @@ def _hardware(mesh: Mesh) -> str:
 
 
 def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_microbatches, hardware, memory_limit,
-                precision=None):
+                precision=None, moe_aux_stats: str = "global"):
     """Rank 0 plans and broadcasts: every rank carries out the same plan or raises the same error."""
     from autopar.search.planner import plan_for  # noqa: PLC0415
 
@@ -470,7 +496,8 @@ def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_micr
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
             plan, _report = plan_for(global_gm, mesh.world_size, hardware or _hardware(mesh), pins=all_pins,
-                                     memory_limit=memory_limit, global_batch=rows, precision=precision)
+                                     memory_limit=memory_limit, global_batch=rows, precision=precision,
+                                     moe_aux_stats=moe_aux_stats)
             box = [plan.to_json()]
         except ValueError as e:
             box = [{"error": str(e)}]
@@ -480,6 +507,29 @@ def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_micr
         raise ValueError(box[0]["error"])
     plan = Plan.from_json(box[0])
     return plan, make_mesh(device_type=mesh.device_type, **plan.mesh)
+
+
+def _cast_dtype(param_dtype, model: nn.Module) -> torch.dtype | None:
+    """The dtype to capture `model` at: a mixed plan's compute dtype ("bf16" or torch.bfloat16)
+    when some floating parameter is not in it (the engine casts them), else None (as it is)."""
+    from autopar.passes.plan import torch_dtype  # noqa: PLC0415
+
+    dt = torch_dtype(param_dtype) if isinstance(param_dtype, str) else param_dtype
+    if dt is None or all(p.dtype == dt for p in model.parameters() if p.is_floating_point()):
+        return None
+    return dt
+
+
+def _dtype_name(dt: torch.dtype | None) -> str | None:
+    return None if dt is None else str(dt).replace("torch.", "")
+
+
+def _cp_may_be_searched(pins) -> bool:
+    """False when the pins fix cp at 1 (a "cp" pin, or a pinned mesh without a cp axis)."""
+    pins = pins or {}
+    if "cp" in pins:
+        return pins["cp"] != 1
+    return "mesh" not in pins or (pins["mesh"] or {}).get("cp", 1) != 1
 
 
 def _fresh(gm):

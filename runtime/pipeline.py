@@ -37,9 +37,9 @@ Data parallel (pp x dp): give `engines={stage: make_engine(module, mesh, "dp", s
 (any ZeRO stage 0-3; the engines' collectives use the active mesh, `set_active_mesh`);
 every backward of a stage except its last one in the step runs in `engine.no_sync()`, the
 last one (`B`, or the last `W`) lets the engine's hooks launch their reductions, and
-`finish_backward()` runs once per stage after the schedule. fp16 loss scaling is not
-pipeline-aware (each stage engine would scale its own outputs; `PipelineProgram` refuses it);
-use bf16 or fp32 with pp.
+`finish_backward()` runs once per stage after the schedule. fp16 loss scaling: engines joined
+in a `zero_optim.LossScaleGroup` (as `PipelineProgram` makes them) scale only at the last
+stage's outputs and settle one agreed overflow verdict in that `finish_backward()`.
 Tied parameters on different stages (embedding on the first, LM head on the last) are made
 equal at construction and get their gradients summed after every stage's
 `finish_backward()` (runtime/pipeline_tied.py): on the engines' masters where there are

@@ -11,8 +11,11 @@ one data-parallel engine per stage.
     over dp by the stage engines, and tied weights (an embedding and an LM head on two
     stages) hold the sum of their stages' gradients on the engines' masters, under every ZeRO
     stage and with fp32 masters of bf16 parameters (runtime/pipeline_tied.py), so the copies
-    take identical optimizer steps. fp16 parameters with a loss scale are refused at
-    construction (ValueError): every stage's engine would scale its own output gradients.
+    take identical optimizer steps. fp16 with dynamic loss scaling (`zero_optim.LossScaleGroup`):
+    only the last stage scales the gradient of its outputs (the loss's), so the gradients sent
+    back through the stages arrive scaled once; every stage's engine unscales its own gradients
+    by the same scale, and the inf/NaN verdict is agreed over pp, dp and every other axis before
+    any stage steps or skips, so the scale evolves identically on every rank.
   * with an ep axis (expert parallelism inside the stages, `ep_axis`): the dp piece of the
     batch is cut again in ep pieces, as `runtime.moe.ExpertProgram` cuts it (ep index j takes
     rows [j * b, (j + 1) * b)); each micro-batch is then a slice of every ep rank's piece, and
@@ -64,6 +67,7 @@ from .program import evaluate
 from .rng import RNGTracker
 from .schedules import Schedule, make_schedule
 from .zero import broadcast_module, make_engine
+from .zero_optim import LossScaleGroup
 from .grad_norm import local_norm_parts, reduce_norm_parts
 
 __all__ = ["PipelineProgram", "PipelineEngines", "PipelineOptimizer"]
@@ -125,12 +129,6 @@ class PipelineProgram(nn.Module):
                              f"{n_stages} stages, but modules were given for {sorted(stages)}")
         self.stages = nn.ModuleDict({str(s): stages[s] for s in mine})
         opts = dict(engine_options or {})
-        if opts.get("param_dtype") == torch.float16 and opts.get("loss_scale", "auto") is not None:
-            raise ValueError(f"fp16 parameters with loss scaling (loss_scale={opts.get('loss_scale', 'auto')!r}) do not "
-                             f"run under a pipeline ({pp_axis}={self.pp}) yet: every stage's engine scales the gradient "
-                             "of its own outputs, so the stages before the last would get their gradients scaled "
-                             "twice, and each stage would skip overflowing steps on its own; use "
-                             "precision='bf16-mixed' (no loss scale) or 'fp32' with pp, or pp=1")
         if sync_init and self.dp > 1 and dist.is_initialized():
             for m in self.stages.values():
                 broadcast_module(m, self.dp_axis)
@@ -141,6 +139,11 @@ class PipelineProgram(nn.Module):
                 mp[name] = tuple(sorted(set(mp.get(name, ())) | {self.ep_axis}))
             opts["model_parallel"] = mp
         engines = {s: make_engine(stages[s], mesh, self.dp_axis, zero_stage, bucket_mb, **opts) for s in mine}
+        scalers = [e.scaler for e in engines.values() if e.scaler is not None]
+        if scalers:  # fp16 loss scaling: one scale, applied by the last stage, one verdict over the job
+            group = LossScaleGroup(scalers[0], [a for a, n in mesh.sizes.items() if n > 1], mesh.device)
+            for s in mine:
+                group.add(engines[s], scales_outputs=s == n_stages - 1)
         self.engine = PipelineEngines(engines, mesh, pp_axis, self.dp_axis, self.tied)
         self._executors: dict[int, PipelineExecutor] = {}
         self.rng = RNGTracker.for_mesh(mesh, self.dp_axis)  # dropout masks (pp stages apart): runtime/rng.py

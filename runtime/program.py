@@ -32,6 +32,7 @@ from .context_layout import shard_sequence
 from .mesh import Mesh
 from .rng import RNGTracker
 from .zero import broadcast_module, make_engine
+from .zero_optim import LossScaleGroup
 
 
 class Program(nn.Module):
@@ -52,6 +53,13 @@ class Program(nn.Module):
         if sync_init and self.dp > 1 and dist.is_initialized():
             broadcast_module(module, self.dp_axis)
         self.engine = make_engine(module, mesh, self.dp_axis, zero_stage, bucket_mb, **(engine_options or {}))
+        others = [a for a, n in mesh.sizes.items() if n > 1 and a not in mesh.parts(self.dp_axis)] if self.dp_axis \
+            else [a for a, n in mesh.sizes.items() if n > 1]
+        if self.engine.scaler is not None and others:
+            # fp16 loss scaling with tp / ep shards: the inf/NaN verdict agreed over every axis,
+            # not the data axis only, or a tp rank whose shard overflowed would skip alone and drift
+            LossScaleGroup(self.engine.scaler, [a for a, n in mesh.sizes.items() if n > 1], mesh.device).add(
+                self.engine, scales_outputs=True)
         self.steps_run = 0  # training steps so far: failure messages name the step
         self.rng = RNGTracker.for_mesh(mesh, self.dp_axis)  # dropout masks: runtime/rng.py
 

@@ -26,7 +26,8 @@ from . import zero_plain_optim
 from .collective_errors import where
 from .grad_norm import local_norm_parts, reduce_norm_parts
 from .offload import GradStage, host_copy, optimizer_kwargs, to_device
-from .zero_optim import DynamicLossScaler, ScaleGrad, ShardedOptimizer, unscale_and_check
+from .zero_optim import DynamicLossScaler, ShardedOptimizer, loss_scale_hooks, unscale_and_check
+from .zero_optim import map_tensors as _map_tensors
 from .zero_shard import FlatLayout, GradReducer, ScatterReducer, ShardInfo, make_buckets, read_rows, shard_info
 
 _FLOAT16 = (torch.float16, torch.bfloat16)
@@ -43,18 +44,6 @@ class _Slot:
     @property
     def trainable(self) -> bool:
         return self.param.requires_grad
-
-
-def _map_tensors(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*[_map_tensors(o, fn) for o in obj])
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj
 
 
 class EngineBase:
@@ -104,6 +93,10 @@ class EngineBase:
         self._grads_ready = False
         self._skip_step = False
         self.last_step_skipped = False
+        # a pipeline rank's stages share one scaler and one agreed inf check (zero_optim.LossScaleGroup);
+        # only the last stage scales its outputs' gradients (the others receive them scaled)
+        self.scale_group = None
+        self.scales_outputs = True
         self._hooks: list = []
         # id -> (weakref, name, why) of tensors a plain optimizer must not step (zero_plain_optim)
         self.untrained: dict[int, tuple] = {}
@@ -165,13 +158,7 @@ class EngineBase:
 
             self._hooks.append(self.module.register_forward_pre_hook(cast, with_kwargs=True))
         if self.scaler is not None:
-            scaler = self.scaler
-
-            def scale_out(mod, args, out):
-                return _map_tensors(out, lambda t: ScaleGrad.apply(t, scaler)
-                                    if t.is_floating_point() and t.requires_grad else t)
-
-            self._hooks.append(self.module.register_forward_hook(scale_out))
+            self._hooks += loss_scale_hooks(self)
 
     def remove(self) -> None:
         """Detach the engine's hooks (the module keeps its current, possibly sharded, state)."""
@@ -200,20 +187,37 @@ class EngineBase:
         """Wait for gradient communication of the last micro-batch and put the averaged,
         unscaled gradients on the masters (what the optimizer and clipping see). Calling it
         again before the next step does nothing unless another backward launched work."""
-        if self._grads_ready and not self._has_pending():
+        if not self.grads_pending:
             return
-        self._reduce()
-        self._grad_stage.wait()  # offloaded gradients: their host copies are complete from here on
-        self._skip_step = False
+        if self.scale_group is not None:  # with the other stages of this pipeline rank
+            self.scale_group.finish_backward()
+            return
+        found = self.unscale_local()
         if self.scaler is not None:
-            grads = [s.master.grad for s in self.slots if s.master.grad is not None]
-            found = unscale_and_check(grads, self.scaler.scale)
             if self.k > 1:
                 flag = torch.tensor([1.0 if found else 0.0], device=self.device)
                 C.all_reduce_(flag, self.axis, "max")
                 found = bool(flag.item() > 0)
             self.scaler.update(found)
-            self._skip_step = found
+        self.settle(found)
+
+    @property
+    def grads_pending(self) -> bool:
+        """Whether a backward left gradients that `finish_backward` has not settled yet."""
+        return not self._grads_ready or self._has_pending()
+
+    def unscale_local(self) -> bool:
+        """Finish this engine's reduction and divide its master gradients by the loss scale;
+        whether any of them holds inf or NaN (this rank's engine only: not agreed with peers)."""
+        self._reduce()
+        self._grad_stage.wait()  # offloaded gradients: their host copies are complete from here on
+        if self.scaler is None:
+            return False
+        return unscale_and_check([s.master.grad for s in self.slots if s.master.grad is not None], self.scaler.scale)
+
+    def settle(self, skip: bool) -> None:
+        """The step's agreed verdict: the next optimizer step runs, or is skipped (an overflow)."""
+        self._skip_step = bool(skip)
         self._grads_ready = True
 
     @property

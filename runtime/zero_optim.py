@@ -17,12 +17,22 @@ axis), multiply S by `growth_factor` after `growth_interval` clean steps. The en
 S by scaling the gradient that enters the model's outputs (`ScaleGrad`), which equals
 scaling the loss, so `loss.backward()` is written as without scaling.
 
+`LossScaleGroup` is loss scaling for the stages of a pipeline: one scaler shared by the
+engines of a rank's stages, only the last stage scaling its outputs' gradients (the gradients
+the earlier stages receive through the pipeline are already scaled), each engine unscaling its
+own gradients, and one inf/NaN verdict agreed (max of a flag) over every mesh axis that holds
+other gradients (pp, dp, and tp / ep / cp where present) before any stage steps or skips, so
+that every rank updates the scale identically.
+
 It reads and writes no `node.meta` keys.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from . import collectives as C
 from .zero_plain_optim import MANAGED
 
 
@@ -56,6 +66,84 @@ class DynamicLossScaler:
 
     def load_state_dict(self, sd: dict) -> None:
         self.scale, self._good_steps, self.skipped_steps = sd["scale"], sd["good_steps"], sd["skipped_steps"]
+
+
+class LossScaleGroup:
+    """One loss scale for the engines of a pipeline rank's stages (see the module docstring).
+
+    Args:
+        scaler: the shared `DynamicLossScaler` (equal settings and state on every rank).
+        axes: the mesh axes the inf/NaN flag is agreed over, in the same order on every rank.
+        device: where the flag lives (the mesh's device).
+    """
+
+    def __init__(self, scaler: DynamicLossScaler, axes: list[str], device):
+        self.scaler, self.axes, self.device = scaler, list(axes), device
+        self.engines: list = []
+
+    def add(self, engine, scales_outputs: bool) -> None:
+        """Let `engine` use the shared scaler and this group's verdict; `scales_outputs`: it is
+        the last stage (its outputs' gradients are scaled; the others arrive scaled)."""
+        engine.scaler, engine.scale_group, engine.scales_outputs = self.scaler, self, scales_outputs
+        self.engines.append(engine)
+
+    def finish_backward(self) -> None:
+        """Every engine's reduction and unscale, one agreed verdict, one scale update. Every rank
+        runs it once per step (the pipeline executor finishes every stage after its schedule)."""
+        todo = [e for e in self.engines if e.grads_pending]
+        if not todo:
+            return
+        found = False
+        for e in todo:  # every engine unscales, whatever an earlier one found
+            found = e.unscale_local() or found
+        flag = torch.tensor([1.0 if found else 0.0], device=self.device)
+        for axis in self.axes:
+            C.all_reduce_(flag, axis, "max")
+        found = bool(flag.item() > 0)
+        self.scaler.update(found)
+        for e in self.engines:
+            e.settle(found)
+
+
+def map_tensors(obj, fn):
+    """`obj` with `fn` applied to every tensor in it (tuples, namedtuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*[map_tensors(o, fn) for o in obj])
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def loss_scale_hooks(engine) -> list:
+    """The module hooks of an engine with a loss scaler: its outputs' gradient multiplied by the
+    scale (`ScaleGrad`, when `engine.scales_outputs`: under a pipeline only the last stage), and a
+    refusal of a training forward while the last step's unscaled gradients wait unused (the next
+    backward's scaled ones would land on them and be unscaled together). Read at each forward
+    through a weak reference, so a `LossScaleGroup` can swap the scaler in."""
+    ref = weakref.ref(engine)
+
+    def unconsumed(mod, args, kwargs):
+        eng = ref()
+        if eng is not None and eng._grads_ready and torch.is_grad_enabled() and mod.training and any(
+                sl.master.grad is not None for sl in eng.slots):
+            raise ValueError("a training forward under fp16 loss scaling while the last step's gradients are "
+                             "settled (unscaled, overflow checked) and not yet used: accumulating them with the next "
+                             "step's scaled ones would unscale them twice. Call the optimizer's step() or zero_grad() "
+                             "between steps; accumulate over a larger batch with n_microbatches instead")
+
+    def scale_out(mod, args, out):
+        eng = ref()
+        if eng is None or eng.scaler is None or not eng.scales_outputs:
+            return out
+        return map_tensors(out, lambda t: ScaleGrad.apply(t, eng.scaler) if t.is_floating_point() and t.requires_grad
+                           else t)
+
+    return [engine.module.register_forward_pre_hook(unconsumed, with_kwargs=True),
+            engine.module.register_forward_hook(scale_out)]
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -19,6 +19,11 @@ runs, so that a plan for another model is refused whole, never half-applied.
         warning (never silence).
   stamp(plan, global_gm)
         record the graph's fingerprint in `plan.graph` (what plans made here carry).
+  check_moe_aux_stats(plan, global_gm, mode) -> notes;  check_micro_batches(plan, n)
+        MoE auxiliary losses over the global batch ("global", the default) refuse
+        n_microbatches > 1 before any step (router statistics would be per micro-batch);
+        "micro_batch" keeps them per micro-batch, named in the notes. Recorded as
+        `plan.extra["moe_aux_stats"]` for models with router statistics.
 
 Reads node.meta["autopar"] (module paths, through passes.ir and the pipeline units) and the
 graph's parameters; writes nothing on nodes. Imports passes, search (MoE detection) and
@@ -37,7 +42,8 @@ from autopar.passes.plan_schema import explain_stamps, graph_stamp
 from autopar.runtime.placement import Partial, Shard
 
 __all__ = ["PlanMismatchError", "check_plan_against_graph", "check_mesh_fits", "axis_notes", "stamp",
-           "RUN_AXES", "tp_sizes_that_fit"]
+           "RUN_AXES", "tp_sizes_that_fit", "MOE_AUX_STATS", "router_stat_keys", "check_moe_aux_stats",
+           "check_micro_batches"]
 
 RUN_AXES = ("pp", "dp", "ep", "cp", "tp")  # the axes this version carries out
 _MAX_LISTED = 8
@@ -337,3 +343,64 @@ def axis_notes(plan: Plan) -> list[str]:
     if plan.zero_stage and plan.dp == 1:
         out.append(f"warning: zero_stage={plan.zero_stage} with dp=1 shards nothing (ZeRO splits over dp)")
     return out
+
+
+# ------------------------------------------------------------------------ MoE auxiliary statistics
+MOE_AUX_STATS = ("global", "micro_batch")
+
+
+def router_stat_keys(global_gm: fx.GraphModule) -> list[str]:
+    """The router statistics of the captured graph (reductions over tokens of router outputs:
+    a load-balancing loss's expert counts and mean probabilities, a router z-loss;
+    `search.expert_detect.router_stats`); empty for a model without a top-k, or whose top-k
+    the MoE detection cannot take apart (it is then no MoE this version splits)."""
+    import torch  # noqa: PLC0415
+
+    if not any(n.op == "call_function" and n.target is torch.ops.aten.topk.default for n in global_gm.graph.nodes):
+        return []
+    from autopar.search.expert_detect import router_stats  # noqa: PLC0415
+
+    try:
+        return router_stats(global_gm)
+    except ValueError:  # MoEDetectError: the ep checks name it where ep is asked for
+        return []
+
+
+def check_moe_aux_stats(plan: Plan, global_gm: fx.GraphModule, mode: str | None) -> list[str]:
+    """How the MoE auxiliary losses see the batch, recorded as `plan.extra["moe_aux_stats"]`
+    when the model has router statistics (`router_stat_keys`): "global" (the default, or the
+    given plan's entry when `mode` is None) computes them as one process over the global batch,
+    so a plan with n_microbatches > 1 is refused (`check_micro_batches`); "micro_batch" keeps
+    each micro-batch's own statistics (Megatron's) and says so in the returned notes. Raises
+    ValueError for another mode or a refused plan."""
+    mode = mode if mode is not None else plan.extra.get("moe_aux_stats", "global")
+    if mode not in MOE_AUX_STATS:
+        raise ValueError(f"moe_aux_stats={mode!r} is not a mode; use 'global' (router statistics over the global "
+                         "batch, as one process computes them) or 'micro_batch' (per micro-batch, as Megatron)")
+    keys = router_stat_keys(global_gm)
+    if not keys:
+        plan.extra.pop("moe_aux_stats", None)
+        return []
+    plan.extra["moe_aux_stats"] = mode
+    check_micro_batches(plan, plan.n_microbatches, len(keys))
+    if mode == "micro_batch" and plan.n_microbatches > 1:
+        return [f"MoE auxiliary statistics per micro-batch (moe_aux_stats='micro_batch'): the {len(keys)} router "
+                f"reductions over tokens see one micro-batch's tokens of {plan.n_microbatches}, and the auxiliary "
+                "loss is the mean of the micro-batches' losses (Megatron's recipe), not the global batch's"]
+    return []
+
+
+def check_micro_batches(plan: Plan, n_microbatches: int, n_stats: int | None = None) -> None:
+    """Refuse `n_microbatches` > 1 for a plan whose MoE auxiliary statistics must be global
+    (`plan.extra["moe_aux_stats"] == "global"`): see `check_moe_aux_stats`."""
+    if n_microbatches <= 1 or plan.extra.get("moe_aux_stats") != "global":
+        return
+    what = f"{n_stats} router reductions over tokens" if n_stats else "router reductions over tokens"
+    raise ValueError(
+        f"n_microbatches={n_microbatches} with MoE auxiliary losses computed over the global batch "
+        f"(moe_aux_stats='global'): the model's load-balancing / router z-loss statistics ({what}) would be "
+        f"computed per micro-batch, over 1/{n_microbatches} of the tokens, so the auxiliary loss and its gradients "
+        "would differ from one process on the whole batch (under 1F1B a micro-batch's backward runs before the "
+        "later micro-batches' forwards, so the global statistics do not exist yet). Use n_microbatches=1, or "
+        "pass moe_aux_stats='micro_batch' to accept per-micro-batch statistics (Megatron's behaviour; the same "
+        "result when the auxiliary loss's weight is 0)")

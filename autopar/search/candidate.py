@@ -15,7 +15,10 @@ bubble (p - 1) / (v m) is under 1 % (or the "pp_virtual" pin). Context paralleli
 the divisors k of the world for which `model.context_options(k, tp)` (`search.plan_context`)
 gives an exchange (2k zigzag chunks divide the sequence; the cheaper method, or the pinned
 one), never with pp or ep (the runtime refuses them: `support["cp_with_pp"]`, `["cp_with_ep"]`),
-ZeRO 1-3 whenever dp x cp > 1 (the shards live on the joined dp+cp axis).
+ZeRO 1-3 whenever dp x cp > 1 (the shards live on the joined dp+cp axis). An MoE model whose
+auxiliary losses read router statistics gets one micro-batch only unless
+`support["moe_aux_stats"]` is "micro_batch" (`one_micro_batch`: under the default "global"
+the runtime refuses micro-batches, build/plan_check.py `check_moe_aux_stats`).
 
 `plain(x)`: numpy numbers and arrays as Python ones, tuples as lists (what json writes and reads
 back unchanged), for every report the search keeps.
@@ -24,6 +27,7 @@ Reads and writes no node.meta. Deterministic: candidates come in a fixed order.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -31,7 +35,7 @@ import numpy as np
 import torch.fx as fx
 
 __all__ = ["Candidate", "Evaluation", "SCHEDULE_VIRTUAL", "SEARCHED_SCHEDULES", "candidates", "plain",
-           "virtual_choices"]
+           "virtual_choices", "one_micro_batch", "has_router_stats"]
 
 SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 SCHEDULE_VIRTUAL = {"1f1b": 1, "gpipe": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
@@ -205,13 +209,13 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
         eps += [e for e in _divisors(world) if e > 1 and model.n_experts % e == 0]
     cps = [k for k in _divisors(world) if k > 1] if support.get("cp") and pins.get("cp", 0) != 1 else []
     tied = has_tied(model.gm)
-    # PipelineProgram refuses fp16 with loss scaling (every stage's engine would scale its own
-    # output gradients): no pipeline is planned for it; tied weights take ZeRO 1-3 and 16-bit
-    # masters under pp where the runtime supports it (runtime/pipeline_tied.py)
+    # tied weights take ZeRO 1-3 and 16-bit masters under pp where the runtime supports it
+    # (runtime/pipeline_tied.py); fp16 with loss scaling pipelines too (runtime/zero_optim.py
+    # LossScaleGroup: the last stage scales, every stage unscales, one verdict over the job)
     prec = getattr(model, "precision", None) or {}
     sixteen = prec.get("param_dtype") in ("bf16", "fp16")
-    fp16_scaled = prec.get("param_dtype") == "fp16" and prec.get("loss_scale") is not None
     n_blocks = int(np.count_nonzero(np.asarray(getattr(model, "blocks", ())) > 0))
+    micro_ok = not one_micro_batch(model, support)
     out = []
     for t in _divisors(world):
         if t > hw.gpus_per_node and "tp" not in pins:
@@ -234,7 +238,7 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
                         continue
                     rows = G // (d * e)
                     zeros = [0, 1, 2, 3] if d * k > 1 else [0]
-                    for m in _divisors(rows):
+                    for m in (_divisors(rows) if micro_ok else [1]):
                         for sched in (["none"] if p == 1 else
                                       ([pins["schedule"]] if "schedule" in pins else list(SEARCHED_SCHEDULES))):
                             vs = [0]
@@ -250,13 +254,39 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
                                 if p > 1 and m < p and sched != "1f1b":
                                     continue  # fewer micro-batches than ranks: 1F1B is as good as any
                                 for z in zeros:
-                                    if p > 1 and (fp16_scaled or (tied and (z or sixteen)
-                                                                  and not support.get("zero_with_tied_pp"))):
+                                    if p > 1 and tied and (z or sixteen) and not support.get("zero_with_tied_pp"):
                                         continue
                                     c = replace(c0, zero=z)
                                     if _matches(c, pins):
                                         out.append(c)
     return out
+
+
+_ROUTER_STATS: "weakref.WeakKeyDictionary[fx.GraphModule, bool]" = weakref.WeakKeyDictionary()
+
+
+def one_micro_batch(model: Any, support: Mapping[str, Any]) -> bool:
+    """Whether every candidate must run one micro-batch: an MoE model (`model.has_moe`) whose
+    graph has router statistics (`search.expert_detect.router_stats`: its auxiliary loss reads
+    them) under `support["moe_aux_stats"]` "global" (the default), which the runtime refuses to
+    compute per micro-batch."""
+    return support.get("moe_aux_stats", "global") == "global" and has_router_stats(model)
+
+
+def has_router_stats(model: Any) -> bool:
+    """Whether the planner's model (`plan_cost.PlanCostModel`) is an MoE whose graph has router
+    statistics (cached per graph)."""
+    if not getattr(model, "has_moe", False):
+        return False
+    gm = model.gm
+    if gm not in _ROUTER_STATS:
+        from autopar.search.expert_detect import router_stats  # noqa: PLC0415
+
+        try:
+            _ROUTER_STATS[gm] = bool(router_stats(gm))
+        except ValueError:  # an MoE the detection cannot take apart: no statistics it could make global
+            _ROUTER_STATS[gm] = False
+    return _ROUTER_STATS[gm]
 
 
 def _matches(c: Candidate, pins: Mapping[str, Any]) -> bool:

@@ -22,10 +22,12 @@ is priced as `cost.estimate` prices the same Plan (the one-cost-model rule):
 Which cp: divisors k > 1 of the world whose 2k zigzag chunks divide the captured sequence, for
 a graph that passed `passes.context_positions.check_context_parallel` and has attention; the
 method is the cheaper of ring and Ulysses (Ulysses only where the query heads per tp rank
-divide by k), or the pinned one. `context_refusal` says why a graph gets no cp at all.
+divide by k), or the pinned one. `context_refusal` says why a graph gets no cp at all; for a
+sequence captured static it quotes the capture's reason (`gm.meta["autopar_capture"]
+["sequence"]["why"]`, written by `autopar.parallelize` and `autopar plan`).
 
-Reads node.meta only through `search.context.context_facts`. Deterministic; every table is
-cached on the model and depends only on its key.
+Reads node.meta only through `search.context.context_facts`, and gm.meta["autopar_capture"].
+Deterministic; every table is cached on the model and depends only on its key.
 """
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ class ContextTables:
             self._ctx_refusal = ""
             self._ctx_facts = None
             if self.seq_len() is None:
-                self._ctx_refusal = ("the sequence dim was captured static (capture with dynamic_seq=True, as "
+                why = (self.gm.meta.get("autopar_capture") or {}).get("sequence", {}).get("why")
+                self._ctx_refusal = (f"the sequence dim was captured static: {why}" if why else
+                                     "the sequence dim was captured static (capture with dynamic_seq=True, as "
                                      "parallelize does on a mesh with cp, for the planner to consider cp)")
             else:
                 try:

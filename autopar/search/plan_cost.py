@@ -254,7 +254,7 @@ class PlanCostModel(PlanTables):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, c: Candidate, limit: float, *, pins: Sequence[str] = (), recompute: Any = "auto",
-                 minimise: str = "time", cutoff: float | None = None) -> Evaluation:
+                 minimise: str = "time", cutoff: float | None = None, memory_only: bool = False) -> Evaluation:
         """Predict `c` (see the module docstring).
 
         Args:
@@ -267,6 +267,8 @@ class PlanCostModel(PlanTables):
             cutoff: a step time to beat; when the split's bound is over it, the schedule is not
                 simulated and the Evaluation comes back with `pruned` set and the bound as its
                 step time. A plan over the memory limit is not simulated either (step = inf).
+            memory_only: return once the memory is known (step = inf, nothing timed): what the
+                planner's report needs of a candidate's least memory.
         """
         rows = self.rows_per_micro(c)
         if rows is None or rows < 1:
@@ -417,6 +419,9 @@ class PlanCostModel(PlanTables):
                       split_points=[self.unit_names[i] for i in starts[1:]],
                       stage_units=[self.unit_names[starts[s]:ends[s]] for s in range(S)], recompute=rc_units,
                       rank_peaks=rank_peaks)
+        if memory_only:  # the memory a candidate needs (the planner's report): no schedule simulation
+            return Evaluation(step_s=INF, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0, comm={},
+                              flops=0.0, mfu=0.0, tokens_per_s=0.0, notes=["memory only: not timed"], **common)
         if max(rank_peaks) > limit * (1 + 1e-9) and minimise == "time":
             return Evaluation(step_s=INF, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0, comm={},
                               flops=0.0, mfu=0.0, tokens_per_s=0.0, notes=["over the memory limit"], **common)

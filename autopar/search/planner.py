@@ -57,6 +57,11 @@ given; not given, the search runs without it and, only when no plan fits (and th
 memory is not the host's), again with masters and optimizer states on the host; a note says
 which and why.
 
+MoE auxiliary losses (`moe_aux_stats=`): under "global" (the default) a model whose auxiliary
+loss reads router statistics is planned with one micro-batch (the runtime refuses more:
+`build.plan_check.check_moe_aux_stats`); the report's n_microbatches and pp rows say so.
+"micro_batch" plans micro-batches as for any model.
+
 An infeasible request raises ValueError before anything is allocated, naming the plan that
 needs the least memory and by how much it misses the limit.
 
@@ -77,7 +82,7 @@ import torch.fx as fx
 from autopar.cost import load_profile
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import brief_names
-from autopar.search.candidate import Candidate, Evaluation, candidates, plain
+from autopar.search.candidate import Candidate, Evaluation, candidates, has_router_stats, one_micro_batch, plain
 from autopar.search.explain import (DIMENSIONS, PlanReport, context_rows, dimension_rows, gib, recompute_rows, seconds,
                                    sequence_parallel_rows)
 from autopar.search.plan_cache import PLANNER_VERSION, cache_key, disk_get, disk_put, graph_fingerprint
@@ -119,7 +124,7 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
              *, pins: Mapping[str, Any] | None = None, memory_limit: float | None = None,
              global_batch: int | None = None, top_k: int = 5, optimizer: Any = "adamw",
              cache_dir: str | None = None, allow: Mapping[str, bool] | None = None, gc=None,
-             precision: Mapping[str, Any] | None = None) -> tuple[Plan, PlanReport]:
+             precision: Mapping[str, Any] | None = None, moe_aux_stats: str = "global") -> tuple[Plan, PlanReport]:
     """The best plan for `global_gm` on a mesh of the given size, and why.
 
     Args:
@@ -142,6 +147,8 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
             it. "offload": True or False is kept; missing or None lets the planner decide: it
             plans without offload and, only when no plan fits, again with masters and optimizer
             states offloaded to the host. The chosen fields are written into the Plan.
+        moe_aux_stats: "global" (an MoE model with router statistics gets one micro-batch) or
+            "micro_batch" (see the module docstring; `autopar.parallelize`'s keyword).
 
     Returns:
         (plan, report): the Plan (mesh, dp axis, ZeRO stage, layouts and strategies on tp,
@@ -157,7 +164,9 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
     pins = normalise_pins(pins, world_size_or_mesh_sizes)
     world = world_size(world_size_or_mesh_sizes)
     limit = float(memory_limit) if memory_limit is not None else DEFAULT_HEADROOM * float(hw.device.memory_bytes)
-    support = {**RUNTIME_SUPPORT, **(allow or {})}
+    if moe_aux_stats not in ("global", "micro_batch"):
+        raise ValueError(f"moe_aux_stats={moe_aux_stats!r} is not a mode; use 'global' or 'micro_batch'")
+    support = {**RUNTIME_SUPPORT, **(allow or {}), "moe_aux_stats": moe_aux_stats}
     prec = dict(precision or {})
     key = cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, {**support, "precision": prec})
     cache_dir = cache_dir or os.environ.get("AUTOPAR_PLAN_CACHE")
@@ -195,6 +204,8 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
                           "optimizer step per step")
         report.notes = (report.notes + [plan.notes[-1]])[:20]
     report.search["seconds"] = time.perf_counter() - t0
+    if has_router_stats(search.model):  # parallelize(plan=plan) carries out the mode it was planned for
+        plan.extra["moe_aux_stats"] = moe_aux_stats
     plan.extra["planner"] = _stored(report)
     _MEMO[key] = (plan.to_dict(), report.to_dict())
     disk_put(cache_dir, key, _MEMO[key])
@@ -231,6 +242,7 @@ class _Search:
         self.records: dict[str, dict[Any, dict[str, Any]]] = {d: {} for d in DIMENSIONS}
         self.stats = {"candidates": 0, "evaluated": 0, "pruned_bound": 0, "no_fit": 0, "ilp_failed": []}
         self.bad_tp: dict[int, str] = {}
+        self.one_micro = one_micro_batch(self.model, support)  # MoE aux losses over the global batch
 
     # --- bookkeeping per dimension value, for the explanations ----------------------------------
     def _rec(self, c: Candidate) -> Iterable[dict[str, Any]]:
@@ -267,7 +279,7 @@ class _Search:
                     continue
                 for _lb, c in cands:
                     if c not in done:
-                        ev = self._evaluate(c, minimise="memory") if c.tp not in self.bad_tp else None
+                        ev = self._evaluate(c, minimise="memory", memory_only=True) if c.tp not in self.bad_tp else None
                         done[c] = ev.peak_bytes if ev is not None else math.inf
                     if done[c] < math.inf and (not r.get("need_exact") or done[c] < r["min_need"]):
                         r.update(min_need=done[c], min_need_label=c.label(), need_exact=True)
@@ -372,7 +384,7 @@ class _Search:
             or isinstance(self.recompute, Mapping)
 
     def _evaluate(self, c: Candidate, pins: list[str] | None = None, minimise: str = "time",
-                  cutoff: float | None = None) -> Evaluation | None:
+                  cutoff: float | None = None, memory_only: bool = False) -> Evaluation | None:
         rc = self.recompute
         if c.pp > 1 and not self.support.get("recompute_with_pp") and rc == "auto":
             rc = "none"
@@ -384,7 +396,7 @@ class _Search:
             rc = "none"
         try:
             return self.model.evaluate(c, self.limit, pins=self.split_pins if pins is None else pins, recompute=rc,
-                                       minimise=minimise, cutoff=cutoff)
+                                       minimise=minimise, cutoff=cutoff, memory_only=memory_only)
         except ValueError as e:
             self.notes.append(f"{c.label()}: {e}")
             return None
@@ -437,10 +449,9 @@ class _Search:
                 f"tp at most {m.hw.gpus_per_node} (GPUs per node), pp at most {m.L} (pipeline units), dp x ep x "
                 f"micro-batches must divide the global batch of {m.global_batch} rows, interleaved schedules need "
                 f"micro-batches divisible by pp"
-                + ("; fp16 with loss scaling gets no pipeline (each stage's engine would scale its own output "
-                   "gradients): use bf16-mixed with pp" if "pp" in pins and pins["pp"] > 1
-                   and (m.precision or {}).get("param_dtype") == "fp16"
-                   and (m.precision or {}).get("loss_scale") is not None else "")
+                + ("; an MoE model whose auxiliary loss reads router statistics runs one micro-batch under "
+                   "moe_aux_stats='global' (pass moe_aux_stats='micro_batch' for per-micro-batch statistics)"
+                   if self.one_micro and pins.get("n_microbatches", 1) > 1 else "")
                 + (f"; cp={pins['cp']} runs only without pp and ep, on a sequence of {m.seq_len()} tokens that "
                    f"{2 * pins['cp']} zigzag chunks divide, Ulysses only where the query heads per tp rank divide by cp"
                    + (f" ({m.context_refusal()})" if m.context_refusal() else "")
@@ -491,6 +502,8 @@ class _Search:
         dims["recompute"] = recompute_rows(self.model, chosen, self.recompute, self.limit)
         if "cp" in dims:
             dims["cp"] = context_rows(self.model, chosen, dims["cp"])
+        if self.one_micro:
+            _one_micro_rows(dims)
         unit = self.model.tokens_per_row()[1]
         as_dict = []
         for e in best:
@@ -515,6 +528,19 @@ class _Search:
             self.notes.append(f"fusion search failed ({type(e).__name__}: {str(e)[:160]}); no fusions planned")
             return []
         return [str(n) for n in names]
+
+
+_ONE_MICRO = ("the MoE auxiliary losses read router statistics, which moe_aux_stats='global' computes over the "
+              "global batch: micro-batches would compute them per micro-batch (moe_aux_stats='micro_batch' allows it)")
+
+
+def _one_micro_rows(dims: dict[str, list[dict[str, Any]]]) -> None:
+    """Say in the report why no plan has micro-batches (and pipelines only one): `_ONE_MICRO`."""
+    dims.setdefault("n_microbatches", []).append({"value": "2+", "status": "refused", "step_s": None, "label": None,
+                                                  "peak_bytes": None, "reason": f"not planned: {_ONE_MICRO}"})
+    for r in dims.get("pp", []):
+        if r["status"] != "chosen" and r["value"] != 1:
+            r["reason"] = f"{r['reason']} (with one micro-batch only: {_ONE_MICRO})"
 
 
 def _states(ev: Evaluation) -> float:

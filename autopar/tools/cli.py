@@ -151,6 +151,8 @@ def _add_pins(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage")
     p.add_argument("--microbatches", type=int, help="pin the number of micro-batches")
     p.add_argument("--schedule", help="pin the pipeline schedule (1f1b, gpipe, interleaved_1f1b, zb_h1, zbv)")
+    p.add_argument("--moe-aux-stats", choices=("global", "micro_batch"), default="global",
+                   help="MoE load-balancing statistics: over the whole batch (one micro-batch) or per micro-batch")
     p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-device memory limit in GiB")
     p.add_argument("--planner", choices=("auto", "joint", "fallback"), default="auto",
                    help="joint: autopar.search.planner; fallback: plan the mesh as parallelize does; auto: joint "
@@ -182,7 +184,7 @@ def _plan_result(a, prog: Progress):
     return plan_model(source, mesh=mesh, world_size=world, hardware=a.hardware, batch=a.batch, seq=a.seq,
                       zero_stage=a.zero_stage, n_microbatches=a.microbatches, schedule=a.schedule,
                       memory_limit=a.memory_limit * 2**30 if a.memory_limit else None, top=max(a.top, 1),
-                      planner=a.planner, step=prog.step)
+                      planner=a.planner, step=prog.step, moe_aux_stats=a.moe_aux_stats)
 
 
 # ------------------------------------------------------------------------ plan

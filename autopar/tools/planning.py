@@ -20,6 +20,12 @@ the ZeRO stages (and micro-batch counts for pp). Candidates that do not fit the 
 `memory_limit`) rank after those that do; ties break on the order they were made in.
 `PlanResult.planner` says which search ran and why.
 
+With `world_size` the model is captured as `autopar.parallelize` captures it for
+`autopar.mesh(world_size=N)`: with a symbolic sequence when context parallelism could be
+chosen (`autopar.capture.capture_for_search`), so the joint planner searches cp (ring or
+Ulysses) next to tp, pp, dp and ep; a cp plan's rank graphs run the context-parallel passes.
+A fixed `--mesh` takes no cp axis (the fallback search does not plan it).
+
 Plans are stamped with what made them in `plan.extra["cli"]` (model, batch, seq, hardware),
 which `autopar run` and `verify` read back, and with the captured graph's fingerprint
 (`plan.graph`, autopar/build/plan_check.stamp), so that a plan file given to another model
@@ -129,8 +135,9 @@ def parse_mesh(text: str) -> dict[str, int]:
                              f"(got {part!r})")
         axis = axis.strip()
         if axis not in KNOWN_AXES:
-            what = (" (context parallelism runs through autopar.parallelize on a mesh with a cp axis; the command "
-                    "line does not plan it yet)") if axis == "cp" else ""
+            what = (" (context parallelism: give --world-size instead, and the joint planner puts a cp axis on "
+                    "the mesh when the sequence is long enough to pay for it; or run autopar.parallelize on a mesh "
+                    "with a cp axis)") if axis == "cp" else ""
             raise ValueError(f"--mesh {text!r}: axis {axis!r} is not one this version runs{what}; the axes are "
                              f"{', '.join(KNOWN_AXES)}")
         if axis in out:
@@ -170,7 +177,8 @@ def check_plan_fits(model_text: str, plan: Plan, batch: int, seq: int | None, sm
     source = resolve(model_text)
     if seq is None and small_seq and source.default_seq:
         seq = min(source.default_seq, 16)
-    gm = capture_meta(source, batch, seq if seq is not None else source.default_seq)
+    gm = capture_meta(source, batch, seq if seq is not None else source.default_seq,
+                      dynamic_seq=plan.mesh.get("cp", 1) > 1)  # a cp plan runs on a symbolic sequence
     check_plan_against_graph(plan, gm, dict(plan.mesh))
 
 
@@ -191,9 +199,16 @@ def check_mesh_for_model(model_text: str, mesh: Mapping[str, int], batch: int | 
 
 
 # ------------------------------------------------------------------------ capture
-def capture_meta(source: ModelSource, batch: int, seq: int | None) -> fx.GraphModule:
-    """Build `source` on the meta device and capture it at (batch, seq) with a dynamic batch dim."""
-    from autopar.capture import CaptureError  # noqa: PLC0415
+def capture_meta(source: ModelSource, batch: int, seq: int | None, *, search_world: int | None = None,
+                 dynamic_seq: bool = False) -> fx.GraphModule:
+    """Build `source` on the meta device and capture it at (batch, seq) with a dynamic batch dim.
+
+    `search_world`: the capture the joint planner searches `search_world` ranks on, as
+    `autopar.parallelize` makes it for `autopar.mesh(world_size=N)`: the sequence symbolic when
+    context parallelism could be chosen (`autopar.capture.capture_for_search`; the reason when
+    not is in `gm.meta["autopar_capture"]["sequence"]`). `dynamic_seq`: the sequence symbolic
+    (a plan with a cp axis runs on such a graph)."""
+    from autopar.capture import CaptureError, capture_for_search  # noqa: PLC0415
     from autopar.input_checks import explain_capture_failure  # noqa: PLC0415
     from autopar.runtime.mesh import default_device_type  # noqa: PLC0415
 
@@ -203,7 +218,9 @@ def capture_meta(source: ModelSource, batch: int, seq: int | None) -> fx.GraphMo
     try:
         # traced on fake tensors of the device it will run on here (no memory): the same graph the
         # run captures, so a plan's node names fit it (on meta, attention takes other code paths)
-        return capture(model, inputs, device=default_device_type())
+        if search_world is not None:
+            return capture_for_search(model, inputs, search_world, device=default_device_type())
+        return capture(model, inputs, device=default_device_type(), dynamic_seq=dynamic_seq)
     except CaptureError:
         why = explain_capture_failure(model, inputs, name=f"{source.name}'s inputs")
         if why is None:
@@ -252,11 +269,15 @@ def stage_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware, memory
 
 def rank_graph(global_gm: fx.GraphModule, plan: Plan, rank: int, *, with_recompute: bool = True
                ) -> tuple[fx.GraphModule, list]:
-    """Rank `rank`'s rewritten graph (split_batch, shard, expert, zero, and recompute when the
-    plan has it and no pipeline, as parallelize runs them) on meta, and the pass records."""
+    """Rank `rank`'s rewritten graph (split_batch, the context-parallel passes when the plan has
+    a cp axis, shard, expert, zero, and recompute when the plan has it and no pipeline, as
+    parallelize runs them) on meta, and the pass records."""
+    from autopar.passes.context_attention import context_attention  # noqa: PLC0415
+    from autopar.passes.context_positions import context_positions  # noqa: PLC0415
+
     mesh = Mesh(dict(plan.mesh))
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
-    pm = PassManager([split_batch, shard, expert, sync_batchnorm, zero])
+    pm = PassManager([split_batch, context_positions, shard, context_attention, expert, sync_batchnorm, zero])
     gm = pm.run(_fresh(global_gm), ctx, tag=f"rank{rank}")
     records = list(pm.records)
     if with_recompute and plan.mesh.get("pp", 1) == 1 and any(v != "none" for v in plan.recompute.values()):
@@ -304,15 +325,17 @@ def meshes_for(world_size: int, hardware: Hardware, n_units: int) -> list[dict[s
 
 
 def _fallback(global_gm, meshes, hw, *, batch, zero_stage, n_microbatches, schedule, memory_limit,
-              step: Callable[[str], None]) -> tuple[list[Candidate], list[str]]:
+              step: Callable[[str], None], moe_aux_stats: str = "global") -> tuple[list[Candidate], list[str]]:
+    from autopar.build.plan_check import check_moe_aux_stats, router_stat_keys
     from autopar.passes.split_pipeline import pipeline_units
 
     cands: list[Candidate] = []
     notes: list[str] = []
     capacity = float(memory_limit) if memory_limit else None
+    one_micro = moe_aux_stats == "global" and bool(router_stat_keys(global_gm))  # MoE statistics over the whole batch
     for mesh in meshes:
         pp, dp = mesh.get("pp", 1), mesh.get("dp", 1)
-        mbs = [n_microbatches] if n_microbatches else ([2 * pp] if pp > 1 else [1])
+        mbs = [n_microbatches] if n_microbatches else ([2 * pp] if pp > 1 and not one_micro else [1])
         zs = [zero_stage] if zero_stage is not None else ([0, 1, 2, 3] if dp > 1 and pp == 1 else [0])
         for mb in mbs:
             if batch % (dp * mb):
@@ -322,6 +345,7 @@ def _fallback(global_gm, meshes, hw, *, batch, zero_stage, n_microbatches, sched
             step(f"planning {_mesh_text(mesh)}" + (f", {mb} micro-batches" if pp > 1 else ""))
             base = Plan(mesh=dict(mesh), dp_axis="dp", n_microbatches=mb, schedule=schedule if pp > 1 else None)
             try:
+                base.notes += check_moe_aux_stats(base, global_gm, moe_aux_stats)  # refuses mb > 1 under "global"
                 if mesh.get("ep", 1) > 1:
                     expert_plan(base, global_gm, hw)
                 if mesh.get("tp", 1) > 1:
@@ -357,7 +381,8 @@ def _joint_pred(ev: Mapping[str, Any], hw: Hardware) -> dict[str, Any]:
             "memory_bytes": dict(ev.get("memory") or {})}
 
 
-def _joint(global_gm, mesh_or_world, hw, *, batch, pins, memory_limit, top) -> tuple[list[Candidate], Any]:
+def _joint(global_gm, mesh_or_world, hw, *, batch, pins, memory_limit, top,
+           moe_aux_stats: str = "global") -> tuple[list[Candidate], Any]:
     """The joint planner's plan and its alternatives. Alternatives come back from the planner
     as summaries; they are Plans here with mesh, ZeRO stage, micro-batches, schedule, split
     points and recompute set, marked `extra["partial"]` until `materialise` re-plans them with
@@ -365,7 +390,7 @@ def _joint(global_gm, mesh_or_world, hw, *, batch, pins, memory_limit, top) -> t
     from autopar.search.planner import plan_for  # noqa: PLC0415 - optional
 
     plan, report = plan_for(global_gm, mesh_or_world, hw, pins=pins or None, memory_limit=memory_limit,
-                            global_batch=batch, top_k=max(top, 1))
+                            global_batch=batch, top_k=max(top, 1), moe_aux_stats=moe_aux_stats)
     pred = {**_joint_pred(report.chosen, hw), **{k: v for k, v in plan.predicted.items() if k != "source"}}
     cands = [Candidate(plan, pred)]
     for ev in report.alternatives[1:]:
@@ -400,7 +425,8 @@ def materialise(result: "PlanResult", i: int) -> Plan:
 
     pins = dict(c.plan.extra["joint_pins"])
     plan, _ = plan_for(result.global_gm, result.world_size, result.hardware, pins=pins,
-                       global_batch=result.batch, top_k=1)
+                       global_batch=result.batch, top_k=1,
+                       moe_aux_stats=result.candidates[0].plan.extra.get("moe_aux_stats", "global"))
     plan.extra["cli"] = dict(c.plan.extra.get("cli", {}))
     stamp(plan, result.global_gm)
     return plan
@@ -410,7 +436,8 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
                hardware: str | Hardware = "h100-sxm", batch: int | None = None, seq: int | None = None,
                zero_stage: int | None = None, n_microbatches: int | None = None, schedule: str | None = None,
                memory_limit: float | None = None, top: int = 1, planner: str = "auto",
-               step: Callable[[str], None] | None = None, global_gm: fx.GraphModule | None = None) -> PlanResult:
+               step: Callable[[str], None] | None = None, global_gm: fx.GraphModule | None = None,
+               moe_aux_stats: str = "global") -> PlanResult:
     """Capture `source` on meta and plan it for `mesh` (or any mesh of `world_size` ranks).
 
     Args:
@@ -418,6 +445,8 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
             "fallback".
         step: called with a line of progress before each stage of the work.
         global_gm: a graph already captured at (batch, seq), to skip capturing again.
+        moe_aux_stats: an MoE model's auxiliary statistics, "global" (one micro-batch) or
+            "micro_batch" (`autopar.parallelize`'s keyword of the same name).
     """
     step = step or (lambda _msg: None)
     hw = load_profile(hardware)
@@ -439,7 +468,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
     t0 = time.perf_counter()
     if global_gm is None:
         step(f"capturing {source.name} on meta (batch {batch}" + (f", seq {seq})" if seq else ")"))
-        global_gm = capture_meta(source, batch, seq)
+        global_gm = capture_meta(source, batch, seq, search_world=None if mesh else world)  # cp searched for N ranks
     secs["capture_s"] = time.perf_counter() - t0
     if mesh:
         check_mesh_fits(global_gm, mesh)  # an axis that cannot split this model: its dimension, sizes that can
@@ -460,7 +489,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
         step("searching with the joint planner")
         try:
             cands, report = _joint(global_gm, dict(mesh) if mesh else world, hw, batch=batch, pins=pins,
-                                   memory_limit=memory_limit, top=top)
+                                   memory_limit=memory_limit, top=top, moe_aux_stats=moe_aux_stats)
             note = "joint planner (autopar.search.planner.plan_for): mesh, sharding, stages, ZeRO, recompute at once"
         except ValueError:
             raise  # the request itself is impossible: the planner's message says why
@@ -474,7 +503,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
         meshes = [dict(mesh)] if mesh else meshes_for(world, hw, len(pipeline_units(global_gm)))
         cands, notes = _fallback(global_gm, meshes, hw, batch=batch, zero_stage=zero_stage,
                                  n_microbatches=n_microbatches, schedule=schedule or "1f1b",
-                                 memory_limit=memory_limit, step=step)
+                                 memory_limit=memory_limit, step=step, moe_aux_stats=moe_aux_stats)
         what = "the given mesh" if mesh else f"{len(meshes)} meshes of {world} ranks"
         note = (f"fallback: {what} planned as autopar.parallelize does (sharding ILP on tp, stage DP on pp), "
                 f"ZeRO stages enumerated, each costed by autopar.cost.estimate"

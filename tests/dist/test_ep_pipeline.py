@@ -12,8 +12,9 @@ model's parameter names:
 * the same model trained on for 3 more steps with 2 micro-batches; pp=2 x ep=2 under the ZBV
   schedule (2 stages a rank, input and weight gradients apart) with 2 micro-batches; and
   moe-tiny-capacity (capacity factor 1: assignments dropped) under 1F1B with 2 micro-batches.
-  The router statistics (and the capacity drops) are the ep group's *per micro-batch* (by
-  design, as without pp), so the reference process computes the loss per micro-batch on the
+  The router statistics (and the capacity drops) are the ep group's *per micro-batch*
+  (`moe_aux_stats="micro_batch"`, Megatron's recipe; the default "global" refuses micro-batches
+  for this model), so the reference process computes the loss per micro-batch on the
   rows the ep group holds in it (micro-batch i = the i-th slice of every ep rank's piece of the
   batch) and averages over micro-batches.
 * dp=2 x pp=2 without ep: the router statistics are averaged over dp on the pipeline path, so
@@ -100,6 +101,7 @@ def _build(mesh, name="moe-tiny", schedule=None, **kw):
     torch.manual_seed(0)
     x0, _ = spec.example_batch(BATCH, generator=torch.Generator().manual_seed(1))
     pins = {"fusions": [], **({"schedule": schedule} if schedule else {})}
+    kw.setdefault("moe_aux_stats", "micro_batch")  # router statistics per micro-batch (see the docstring)
     return autopar.parallelize(spec.build(), autopar.mesh(**mesh), example_inputs=x0, pins=pins, **kw)
 
 

@@ -13,9 +13,8 @@
     without tied weights), with ZeRO 1, 2 and 3 (pp x ZeRO-2 among them);
   * tied weights with bf16-mixed (bf16 parameters, fp32 masters) under ZeRO 1 and ZeRO 3,
     against a one-process recipe with the same precision semantics;
-  * fp16-mixed with tied weights under pp: refused before any step (every stage's engine would
-    scale its own output gradients), with the reason (untied pipelines are refused the same
-    way: tests/unit/test_support_matrix.py).
+  (fp16-mixed with tied weights under pp, refused here before issue 21's one-scale pipelines,
+  trains in tests/dist/test_pipeline_fp16.py.)
 
 fp64 cells: the reference GPT in float64, three AdamW steps at lr 1e-2 on the same batches as
 one process; every step's loss and every exported parameter (`autopar.export_state_dict`)
@@ -37,6 +36,7 @@ weight's gradient accumulated in one bf16 tensor instead of summed in fp32 moves
 to 1.6e-2 after three steps, measured).
 """
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.passes import ir
 from autopar.passes.recompute import CheckpointRegion
-from harness import world
+from harness import capture_before_fork, world
 from reference_train import adamw_steps
 
 BATCH, SEQ, STEPS, LR, M, TOL = 8, 16, 3, 1e-2, 2, 1e-9
@@ -61,8 +61,6 @@ def _config(name):
     return dataclasses.replace(cfg, tie_embeddings=True) if name == "gpt-tied" else cfg
 
 
-# one config object per model: autopar's capture memo keys a plain config by identity, so the
-# ranks (forked after the parent captured each structure once) reuse the parent's captures
 CONFIGS = {name: _config(name) for name in ("gpt", "gpt-tied")}
 
 
@@ -86,6 +84,7 @@ def _batches():
     return out
 
 
+@functools.cache  # one per model, shared by its cells (the tests only read it)
 def _reference(name):
     losses, model = adamw_steps(_build(name), _batches(), _loss, lr=LR)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -146,11 +145,6 @@ B16_CELLS = [  # (cell, schedule, ZeRO stage, micro-batch accumulation dtype of 
     ("pp x tie x bf16-mixed x Z1 (1f1b)", "1f1b", 1, "bf16"),
     ("pp x tie x bf16-mixed x Z3 (gpipe)", "gpipe", 3, "fp32"),
 ]
-REFUSED = [  # (cell, model, parallelize keywords, key phrase of the refusal)
-    ("pp x tie x fp16-mixed", "gpt-tied", dict(precision="fp16-mixed"),
-     "fp16 parameters with loss scaling (loss_scale='dynamic') do not run under a pipeline (pp=2) yet: every "
-     "stage's engine scales the gradient of its own outputs"),
-]
 
 
 def _holds(pm) -> dict:
@@ -195,13 +189,6 @@ def _train(pm, batches):
 def _cells(rank, ws, tmp):
     out = {}
     mesh_kw = dict(pp=2, dp=DP)
-    for cell, name, kw, _words in REFUSED:
-        try:
-            autopar.parallelize(_build(name), autopar.mesh(**mesh_kw),
-                                example_inputs=(_batches()[0][0],), n_microbatches=M, **kw)
-            out[cell] = "accepted"
-        except ValueError as e:
-            out[cell] = f"refused: {e}"
     for cell, name, schedule, kw, _holds_names in CELLS:
         batches = _batches()
         try:
@@ -235,7 +222,7 @@ def _cells(rank, ws, tmp):
 def results(tmp_path_factory):
     # capture each model structure once here: the forked ranks find it in autopar's capture memo
     for name, dtype in (("gpt", torch.float64), ("gpt-tied", torch.float64), ("gpt-tied", torch.bfloat16)):
-        autopar.capture(_build(name, dtype), (_batches()[0][0],))
+        capture_before_fork(_build(name, dtype), (_batches()[0][0],))
     return world(4, _cells, str(tmp_path_factory.mktemp("pipeline_compose")), timeout_s=600)
 
 
@@ -267,13 +254,6 @@ def _check_program(cell, schedule, zero, holds_names, got):
                                        msg=lambda m: f"{cell}: stage {s}'s copy differs from stage {vals[0][0]}'s: {m}")
     if "region" in holds_names:
         assert sum(f["regions"] for *_x, have, _c in got for f in have["stages"].values()) > 0, cell
-
-
-@pytest.mark.parametrize("cell", [c[0] for c in REFUSED])
-def test_pipeline_cell_is_refused_before_any_step_with_the_reason(results, cell):
-    words = next(c[3] for c in REFUSED if c[0] == cell)
-    for r in results:
-        assert r[cell].startswith("refused: ") and words in r[cell], f"{cell}: {r[cell]}"
 
 
 @pytest.mark.parametrize("cell", [c[0] for c in CELLS])
