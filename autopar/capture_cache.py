@@ -9,7 +9,8 @@ of these are equal:
 
   * the class of every module (the type object itself), its `training` flag, its hooks (by
     identity) and its other attributes: plain values by value, configs (objects with `to_dict()`, a transformers `PretrainedConfig`) by all their fields,
-    private ones included (`_attn_implementation_internal`), anything else (functions,
+    private ones included (`_attn_implementation_internal`), dataclasses (models.gpt
+    `GPTConfig`) by their type and every field's value, anything else (functions,
     tensors held as plain attributes, other objects) by identity (a module-level function is one
     object in every instance, two lambdas are two), kept alive by the memo so an identity
     cannot be reused;
@@ -30,13 +31,15 @@ A hit returns a new GraphModule: a copy of the stored graph (fresh node.meta dic
 rewriting one graph never touches another; `NodeInfo` is frozen), bound to *this* model's
 parameters and buffers by name, with the stored graph's own constants, registered as the first
 capture registered them. `gm.meta["autopar_capture"]["cached"]` says it was a hit. The memo
-keeps graphs, never the first model's weights (constants excepted), and the 4 newest entries.
+keeps graphs, never the first model's weights (constants excepted), and the 16 newest entries;
+`counts()` says how many lookups hit and missed.
 
 Reads and writes node.meta only by copying it.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import os
 from collections import OrderedDict
@@ -48,10 +51,13 @@ import torch.nn as nn
 
 from autopar.runtime._torch_compat import pytree
 
-__all__ = ["MAX_ENTRIES", "clear", "enabled", "key_of", "lookup", "store"]
+__all__ = ["MAX_ENTRIES", "clear", "counts", "enabled", "key_of", "lookup", "store"]
 
-MAX_ENTRIES = 4
+# a test module captures up to ~8 structures (models x dtypes x cp or not) before its world forks,
+# and the next module may capture the same ones again; an entry is a graph, no weights
+MAX_ENTRIES = 16
 _MEMO: "OrderedDict[tuple, _Entry]" = OrderedDict()
+_COUNTS = {"hits": 0, "misses": 0}
 # what the graph cannot depend on: tensors and submodules are keyed separately, state-dict hooks
 # run only when saving or loading, transformers' `_is_hf_initialized` is read by its weight init only
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set", "_state_dict_hooks",
@@ -76,6 +82,12 @@ def clear() -> None:
     _MEMO.clear()
 
 
+def counts() -> dict[str, int]:
+    """Lookups in this process since it started (forked ranks inherit the parent's counts):
+    {"hits", "misses", "entries"}."""
+    return {**_COUNTS, "entries": len(_MEMO)}
+
+
 def _value_key(v: Any, keep: list, depth: int = 0):
     if isinstance(v, _PLAIN):
         return (type(v).__name__, repr(v))
@@ -95,6 +107,13 @@ def _value_key(v: Any, keep: list, depth: int = 0):
         return ("config", id(type(v)), _value_key(dict(sorted(vars(v).items())), keep, depth + 1))
     if isinstance(v, enum.Enum):
         return ("enum", repr(v))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        # a config dataclass (models.gpt GPTConfig): its type by identity and every field by
+        # value, so two models built from two equal configs share a capture; attributes set
+        # outside the fields (vars) count too, and a slots dataclass is read field by field
+        keep.append(type(v))
+        fields = vars(v) if hasattr(v, "__dict__") else {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+        return ("dataclass", id(type(v)), type(v).__qualname__, _value_key(dict(sorted(fields.items())), keep, depth + 1))
     keep.append(v)  # identity: kept alive by the entry, so the id cannot be reused
     return ("id", type(v).__qualname__, id(v))
 
@@ -175,6 +194,7 @@ def lookup(key: tuple, model: nn.Module) -> fx.GraphModule | None:
     not found on the model under the same name are taken from the entry."""
     entry = _MEMO.get(key)
     if entry is None:
+        _COUNTS["misses"] += 1
         return None
     _MEMO.move_to_end(key)
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -189,6 +209,7 @@ def lookup(key: tuple, model: nn.Module) -> fx.GraphModule | None:
             m = getattr(m, p)
         value = named.get(target, const)
         if value is None:  # a parameter the model no longer has: the key should have prevented this
+            _COUNTS["misses"] += 1
             return None
         if kind == "param":
             m.register_parameter(field, value)
@@ -199,4 +220,5 @@ def lookup(key: tuple, model: nn.Module) -> fx.GraphModule | None:
     gm = fx.GraphModule(root, _copy_graph(entry.graph), class_name="CapturedGraph")
     gm.meta.update(_copy_meta(entry.gm_meta))
     gm.meta.setdefault("autopar_capture", {})["cached"] = True
+    _COUNTS["hits"] += 1
     return gm

@@ -5,6 +5,7 @@
 # seed the UTC date) and the single-process tests (tests/unit, tests/bad_inputs), whose report
 # is printed after the dist one. Not pytest-xdist: its workers run I/O threads, and a world forked
 # from a threaded process can inherit a held lock (a rank hung at start-up, seen once in CI).
+# Each report lists its 10 (unit: 5) slowest tests, then the seconds per test module.
 # With arguments, one plain run: `bash scripts/test.sh tests/unit -k capture`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,7 @@ bash scripts/setup.sh dev
 if [ $# -gt 0 ]; then
     exec python3 -m pytest -q --durations=10 "$@"
 fi
+export AUTOPAR_TEST_MODULE_TIMES=1  # each report ends with the seconds per test module (tests/conftest.py)
 log=$(mktemp)
 python3 -m pytest tests/unit tests/bad_inputs -q --durations=5 -p no:cacheprovider >"$log" 2>&1 &
 single=$!

@@ -7,6 +7,10 @@ plan of gpt-tiny on meta. Ranks forked from it then start warm instead of each p
 first torch.export and the planner's imports again (measured: ~2 CPU-s a rank, ~120 worlds
 in the suite). The planner's in-memory plan cache is cleared after it, so no rank reuses
 that plan. Set AUTOPAR_TEST_WARM=0 to skip it.
+
+With AUTOPAR_TEST_MODULE_TIMES=1 (scripts/test.sh sets it) the summary lists the seconds each
+test module took (setup, call and teardown of its tests: a module's shared world is in the
+setup of its first test), slowest first.
 """
 import os
 import sys
@@ -27,3 +31,21 @@ def _warm_before_worlds(request):
         harness.warm_parent()
     yield
 
+
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("AUTOPAR_TEST_MODULE_TIMES") != "1" or not _MODULE_SECONDS:
+        return
+    rows = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("=", f"seconds per test module ({len(rows)} modules, {sum(_MODULE_SECONDS.values()):.0f} s)")
+    for module, secs in rows:
+        if secs >= 1.0:
+            terminalreporter.write_line(f"{secs:8.1f}s  {module}")

@@ -16,6 +16,10 @@ first tests/dist test, warms this process once. Fork-server ranks (a GPU build o
 Python 3.12 with PyPI's default torch): the server also imports `FORK_SERVER_MODULES`
 (transformers, the planner, the zoo check) once, instead of every rank of every world
 importing them again (~5 CPU-s a rank with transformers).
+
+`capture_before_fork(model, example_inputs, cp=..., search_world=...)`: a module's fixture
+captures each model structure its cells train once, before its world forks; every rank then
+finds the graph in autopar's capture memo (2-5 CPU-s a rank a structure saved).
 """
 import os
 
@@ -52,7 +56,7 @@ def warm_parent() -> None:
     _warmed = True
     if os.environ.get("AUTOPAR_TEST_WARM", "1") == "0":
         return
-    if (os.environ.get("AUTOPAR_START_METHOD") or default_start_method("gloo")) != "fork":
+    if not _forks():
         return
     import autopar.search.planner as planner
     from autopar.tools.model_source import resolve
@@ -66,4 +70,37 @@ def warm_parent() -> None:
         planner.clear_cache()
 
 
-__all__ = ["FORK_SERVER_MODULES", "world", "warm_parent", "WorldError"]
+def _forks() -> bool:
+    return (os.environ.get("AUTOPAR_START_METHOD") or default_start_method("gloo")) == "fork"
+
+
+def capture_before_fork(model, example_inputs, *, cp: bool = False, search_world: int | None = None) -> None:
+    """Capture `model` here as `autopar.parallelize(model, mesh, example_inputs=...)` will on
+    every rank (`cp`: the mesh has a cp axis, so the sequence dim is dynamic; `search_world`: the
+    mesh is `autopar.mesh(world_size=N)`, whose joint planner captures for the search), so that
+    ranks forked from this process find the graph in autopar's capture memo instead of each
+    running torch.export again (2-5 CPU-s a rank per structure, 4 ranks on 2 cores). Changes
+    nothing a rank computes: a hit is the same graph bound to the rank's own model
+    (autopar/capture_cache.py). Does nothing where ranks do not fork from this process, or with
+    AUTOPAR_TEST_WARM=0; a capture that fails here is left for the ranks to report."""
+    if os.environ.get("AUTOPAR_TEST_WARM", "1") == "0" or not _forks():
+        return
+    import importlib
+    from collections.abc import Mapping
+
+    capture_mod = importlib.import_module("autopar.capture")  # the module (autopar.capture is the function)
+    if isinstance(example_inputs, Mapping):  # model(**batch), as parallelize reads a dict
+        args, kwargs = (), dict(example_inputs)
+    else:
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        kwargs = {}
+    try:
+        if search_world is not None and hasattr(capture_mod, "capture_for_search"):
+            capture_mod.capture_for_search(model, args, search_world, example_kwargs=kwargs)
+        else:
+            capture_mod.capture(model, args, example_kwargs=kwargs, dynamic_seq=cp)
+    except Exception:  # noqa: BLE001 - only a speed-up: the ranks report any real failure
+        pass
+
+
+__all__ = ["FORK_SERVER_MODULES", "capture_before_fork", "world", "warm_parent", "WorldError"]

@@ -15,12 +15,14 @@ compiled on a GPU by tests/unit/test_kernels.py), and the test asserts each cell
 really holds what the cell names (fused calls, checkpoint regions, the cp exchange, expert
 dispatch, ZeRO shards).
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import autopar
-from harness import world
+from harness import capture_before_fork, world
 from reference_train import adamw_steps
 
 BATCH, SEQ, STEPS, TOL = 8, 16, 3, 1e-9
@@ -57,6 +59,7 @@ def _batches():
     return out
 
 
+@functools.cache  # one per model, shared by its cells (the tests only read it)
 def _reference(name):
     losses, model = adamw_steps(_build(name), _batches(), _loss, lr=1e-2)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -138,6 +141,9 @@ def _cells(rank, ws, tmp):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    # each structure (model x cp or not) captured once here: the forked ranks reuse the graph
+    for name, cp in sorted({(c[1], "cp" in c[2]) for c in REFUSED + CELLS}):
+        capture_before_fork(_build(name), (_batches()[0][0],), cp=cp)
     return world(4, _cells, str(tmp_path_factory.mktemp("compose")), timeout_s=600)
 
 

@@ -16,13 +16,15 @@ parameters within 1e-9 (the exchange only reorders sums).
 Refusals, before any step, with the reason: attention written as matmul + softmax; a model
 that shifts the labels inside (as a transformers `labels=` loss does); cp with pp.
 """
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from harness import world
+from harness import capture_before_fork, world
 
 BATCH, SEQ, STEPS, TOL = 4, 32, 3, 1e-9
 
@@ -80,6 +82,7 @@ def _vocab(model):
     return model.config.vocab_size
 
 
+@functools.cache  # one per (model, batches), shared by the cells that train it (the tests only read it)
 def _reference(name, packed=False):
     model = _build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -167,6 +170,10 @@ def _world(rank, ws):
 
 @pytest.fixture(scope="module")
 def results():
+    # each structure (model x packed batch x cp or not) captured once here: the forked ranks reuse it
+    for name, packed, cp in sorted({(c[1], "packed" in c[0], "cp" in c[2]) for c in CELLS}):
+        model = _build(name)
+        capture_before_fork(model, _batches(_vocab(model), packed)[0][0], cp=cp)
     return world(4, _world, timeout_s=600)
 
 

@@ -1,5 +1,7 @@
 """The capture memo (autopar/capture_cache.py): a second capture of the same structure reuses
 the graph, bound to the second model's own tensors; anything the graph may depend on misses."""
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -137,6 +139,7 @@ def test_off_switch_and_bound(monkeypatch):
     autopar.capture(_fresh(), (ids,))
     assert not autopar.capture(_fresh(), (ids,)).meta["autopar_capture"].get("cached")
     monkeypatch.delenv("AUTOPAR_CAPTURE_CACHE")
+    monkeypatch.setattr(capture_cache, "MAX_ENTRIES", 4)  # the bound at work, in 6 captures rather than 18
     for b in range(1, capture_cache.MAX_ENTRIES + 2):
         autopar.capture(_fresh(), (_ids(b, 8),))
     assert len(capture_cache._MEMO) == capture_cache.MAX_ENTRIES
@@ -170,3 +173,72 @@ def test_a_transformers_config_differing_only_in_a_private_field_misses():
     g2 = autopar.capture(eager, (ids,))
     assert not g2.meta["autopar_capture"].get("cached")
     assert "scaled_dot_product_attention" in g1.code and "scaled_dot_product_attention" not in g2.code
+
+
+def test_two_gpts_built_from_two_equal_config_objects_share_one_capture():
+    """A dataclass config is keyed by its fields, not by identity: two `GPTConfig.tiny()` are
+    two objects with equal fields, and the second model's capture is a hit bound to its own
+    tensors; a config differing in one field misses."""
+    import dataclasses
+
+    from autopar.models.gpt import GPT, GPTConfig
+
+    capture_cache.clear()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    g1 = autopar.capture(GPT(GPTConfig.tiny()), (ids,))
+    assert not g1.meta["autopar_capture"].get("cached")
+    torch.manual_seed(1)
+    m2 = GPT(GPTConfig.tiny())
+    assert m2.config is not GPTConfig.tiny()
+    g2 = autopar.capture(m2, (ids,))
+    assert g2.meta["autopar_capture"]["cached"] is True and g2.code == g1.code
+    own = dict(m2.named_parameters())
+    assert all(p is own[name] for name, p in g2.named_parameters())
+    (out,) = g2(ids)
+    torch.testing.assert_close(out, m2(ids), rtol=0, atol=0)
+    # eps is read by the forward but changes no shape: only the key can tell the two apart
+    eps = GPT(dataclasses.replace(GPTConfig.tiny(), norm_eps=1e-3))
+    g3 = autopar.capture(eps, (ids,))
+    assert not g3.meta["autopar_capture"].get("cached")
+    (out3,) = g3(ids)
+    torch.testing.assert_close(out3, eps(ids), rtol=0, atol=0)
+
+
+@dataclasses.dataclass
+class _ScaleCfg:
+    scale: float
+    dims: list  # an unhashable field: keyed by its items
+
+
+class _Scaled(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).sum(self.cfg.dims) * self.cfg.scale
+
+
+def test_a_dataclass_config_with_an_unhashable_field_is_keyed_by_value():
+    capture_cache.clear()
+    x = torch.randn(2, 3, 4)
+    autopar.capture(_Scaled(_ScaleCfg(2.0, [1])), (x,))
+    assert autopar.capture(_Scaled(_ScaleCfg(2.0, [1])), (x,)).meta["autopar_capture"]["cached"] is True
+    for what, cfg in {"another scale": _ScaleCfg(3.0, [1]), "another list": _ScaleCfg(2.0, [2])}.items():
+        m = _Scaled(cfg)
+        g = autopar.capture(m, (x,))
+        assert not g.meta["autopar_capture"].get("cached"), what
+        (out,) = g(x)
+        torch.testing.assert_close(out, m(x), rtol=0, atol=0, msg=what)
+
+
+def test_counts_tell_hits_from_misses():
+    capture_cache.clear()
+    before = capture_cache.counts()
+    ids = _ids()
+    autopar.capture(_fresh(), (ids,))
+    autopar.capture(_fresh(), (ids,))
+    after = capture_cache.counts()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"], after["entries"]) == (1, 1, 1)
