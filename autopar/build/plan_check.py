@@ -340,8 +340,8 @@ def axis_notes(plan: Plan) -> list[str]:
                        f"replicated on {axis} (on this hardware profile the collectives cost more than the work "
                        f"they split), so its {k} ranks repeat the same work; pin param_layouts, plan for another "
                        f"hardware profile, or give these ranks to dp")
-    if plan.zero_stage and plan.dp == 1:
-        out.append(f"warning: zero_stage={plan.zero_stage} with dp=1 shards nothing (ZeRO splits over dp)")
+    if plan.zero_stage and plan.dp * plan.mesh.get("cp", 1) == 1:  # ZeRO shards over dp+cp (runtime/program.py)
+        out.append(f"warning: zero_stage={plan.zero_stage} with dp=1 shards nothing (ZeRO splits over dp, and cp)")
     return out
 
 

@@ -182,6 +182,8 @@ def test_a_sharding_axis_left_sharding_nothing_gets_an_explicit_warning():
     p.strategies["tp"]["lm_head:linear#0"] = "R,S(0)->S(2)"
     assert axis_notes(p) == []
     assert any("zero_stage=1 with dp=1 shards nothing" in n for n in axis_notes(Plan(mesh={"dp": 1}, zero_stage=1)))
+    # under cp, ZeRO shards over dp+cp: dp=1 x cp=2 does shard, so no warning
+    assert not any("shards nothing" in n for n in axis_notes(Plan(mesh={"dp": 1, "cp": 2}, zero_stage=3)))
 
 
 def test_a_plan_for_the_same_model_in_another_precision_is_applied_with_a_warning(gpt):
