@@ -2,7 +2,7 @@
 through `autopar.parallelize` on 4 gloo ranks against one process: ZeRO x recompute / cp /
 fusions / pp, offload x tp / recompute / cp / ep / tied / fusions / micro-batches, fusions x tp
 / recompute / cp / ep / pp / tied / micro-batches, cp x tied / micro-batches, recompute x tied,
-ep x ZeRO-3 with the load-balancing loss on; and ep x recompute, refused before any step (the
+ep x ZeRO-3 with the load-balancing loss on, ep x tied embeddings; and ep x recompute, refused before any step (the
 recompute search found no block to checkpoint after the expert pass and silently recomputed
 nothing).
 
@@ -31,10 +31,12 @@ FUSIONS = ["add_rms_norm", "rms_norm", "rope", "swiglu", "cross_entropy"]
 
 def _build(name):
     torch.manual_seed(0)
-    if name == "moe":
+    if name in ("moe", "moe-tied"):
+        import dataclasses
+
         from autopar.models import MoE, MoEConfig
 
-        return MoE(MoEConfig.tiny()).double()
+        return MoE(dataclasses.replace(MoEConfig.tiny(), tie_embeddings=name == "moe-tied")).double()
     from autopar.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig.tiny()
@@ -88,6 +90,7 @@ CELLS = [  # (cell, model, mesh, parallelize keywords, what the program must hol
      ["ring_attention"]),
     ("off x ep", "moe", dict(dp=2, ep=2), dict(zero_stage=1, offload=True), ["dispatch"]),
     ("ep x fus", "moe", dict(dp=2, ep=2), dict(pins={"fusions": FUSIONS}), ["dispatch", "rope"]),
+    ("ep x tie", "moe-tied", dict(dp=2, ep=2), dict(zero_stage=1), ["dispatch"]),
     ("off x tie x fus x mb", "gpt-tied", dict(dp=4), dict(zero_stage=1, offload=True, n_microbatches=2,
                                                            pins={"fusions": FUSIONS}), ["swiglu"]),
     ("cp x tie x mb", "gpt-tied", dict(dp=2, cp=2), dict(context_method="ulysses", n_microbatches=2),

@@ -11,7 +11,9 @@ program is sequence parallel (the rank's graph reduce-scatters on the tp group) 
 numbers count. Those cells train in float64 and are held to 1e-9 (loss every step, every
 parameter after three AdamW steps at lr 1e-2, exported with `autopar.export_state_dict`), as
 tests/dist/test_compose_pairs.py: only the order of sums differs. Each cell covers several
-pairs (sp x dp / Z1 / Z2 / Z3 / off / rc / fus / tie / mb).
+pairs (sp x dp / Z1 / Z2 / Z3 / off / rc / fus / tie / mb / pp). sp x cp cannot arise: under cp
+the sequence dim is symbolic and the search does not shard it (checked: tp2 x cp2 at 256 tokens
+keeps all-reduces).
 
 mp cells train a bf16 model, which `parallelize` runs as "bf16-mixed" by default (bf16
 compute, fp32 masters, fp32 gradient reduction, fp32 AdamW), under tp x sp, cp, recompute,
@@ -95,6 +97,7 @@ SP_CELLS = [
     ("sp x Z2 x off x mb", "gpt", SP8, dict(dp=2, tp=2), dict(zero_stage=2, offload=True, n_microbatches=2), ["sp"]),
     ("sp x Z3 x fus", "gpt", SP, dict(dp=2, tp=2), dict(zero_stage=3, pins={"fusions": FUSIONS}), ["sp", "swiglu"]),
     ("sp x tie", "gpt-tied", SP, dict(dp=2, tp=2), dict(zero_stage=1), ["sp"]),
+    ("sp x pp", "gpt", SP, dict(pp=2, tp=2), dict(n_microbatches=2), ["sp"]),
 ]
 MP_CELLS = [
     ("mp x tp x sp", "gpt", SP8, dict(dp=2, tp=2), dict(zero_stage=1), ["sp"]),
@@ -106,7 +109,7 @@ MP_CELLS = [
 
 
 def _holds(pm) -> dict:
-    code = "".join(m.code for m in pm.graph_module.modules() if hasattr(m, "code"))
+    code = "".join(m.code for m in pm.program.modules() if hasattr(m, "code"))  # every stage's graph too
     return {"sp": "reduce_scatter" in code and any(any(a == "tp" and str(p) != "R" for a, p in lay.axes)
                                                     for lay in pm.plan.param_layouts.values()),
             "region": any(type(m).__name__ == "CheckpointRegion" for m in pm.graph_module.modules()),
