@@ -1,5 +1,6 @@
 """The one-process reference the parity tests compare a parallel run with: `model` trained one
-AdamW step per (inputs, targets) batch, `zero_grad` after each step."""
+AdamW step per (inputs, targets) batch, `zero_grad` after each step; and the token batches those
+tests feed both sides."""
 import torch
 
 
@@ -15,3 +16,14 @@ def adamw_steps(model, batches, loss_fn, *, lr: float) -> tuple[list[float], tor
         opt.zero_grad()
         losses.append(loss.item())
     return losses, model
+
+
+def token_batches(steps: int, batch: int, seq: int, *, vocab: int = 128, seed: int = 1) -> list[tuple]:
+    """`steps` (inputs, next-token targets) pairs of (batch, seq) int64 token ids below `vocab`,
+    the same for a given seed (one generator drawn in order)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out

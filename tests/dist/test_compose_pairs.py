@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import autopar
 from harness import capture_before_fork, world
-from reference_train import adamw_steps
+from reference_train import adamw_steps, token_batches
 
 BATCH, SEQ, STEPS, TOL = 8, 16, 3, 1e-9
 FUSIONS = ["add_rms_norm", "rms_norm", "rope", "swiglu", "cross_entropy"]
@@ -53,12 +53,7 @@ def _loss(out, y):
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
+    return token_batches(STEPS, BATCH, SEQ)
 
 
 @functools.cache  # one per model, shared by its cells (the tests only read it)

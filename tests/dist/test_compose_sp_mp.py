@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import autopar
 from harness import capture_before_fork, world
-from reference_train import adamw_steps
+from reference_train import adamw_steps, token_batches
 
 STEPS, LR, TOL = 3, 1e-2, 1e-9
 SP, MP = (256, 4), (16, 8)  # (sequence length, sequences a step)
@@ -82,12 +82,7 @@ def _loss(out, y):
 
 
 def _batches(seq, batch):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (batch, seq + 1), generator=g)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
+    return token_batches(STEPS, batch, seq)
 
 
 # (cell, model, seq, mesh, parallelize keywords, what the program must hold)

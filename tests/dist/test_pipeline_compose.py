@@ -46,7 +46,7 @@ import autopar
 from autopar.passes import ir
 from autopar.passes.recompute import CheckpointRegion
 from harness import capture_before_fork, world
-from reference_train import adamw_steps
+from reference_train import adamw_steps, token_batches
 
 BATCH, SEQ, STEPS, LR, M, TOL = 8, 16, 3, 1e-2, 2, 1e-9
 DP = 2
@@ -76,12 +76,7 @@ def _loss(out, y):
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
+    return token_batches(STEPS, BATCH, SEQ)
 
 
 @functools.cache  # one per model, shared by its cells (the tests only read it)

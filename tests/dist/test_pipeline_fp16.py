@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from reference_train import token_batches
 from harness import capture_before_fork, world
 
 BATCH, SEQ, STEPS, LR, M, DP = 8, 16, 5, 1e-2, 2, 2
@@ -80,12 +81,7 @@ def _loss(out, y):
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
+    return token_batches(STEPS, BATCH, SEQ)
 
 
 def _recipe(name="gpt", inject=None):

@@ -30,6 +30,7 @@ import torch
 
 import autopar
 from autopar.models.gpt import GPT, GPTConfig, loss_fn
+from reference_train import token_batches
 from harness import world
 
 WS, BATCH, SEQ, STEPS, LR, M = 2, 4, 16, 3, 1e-2, 2
@@ -49,12 +50,7 @@ def _build() -> GPT:
 
 
 def _batches():
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 128, (BATCH, SEQ + 1), generator=g)
-        out.append((ids[:, :-1], ids[:, 1:]))
-    return out
+    return token_batches(STEPS, BATCH, SEQ)
 
 
 def _recipe(split: str):
