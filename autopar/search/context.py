@@ -4,7 +4,10 @@ Per attention call, with this rank's shapes (B, H heads of which Hkv kv heads, t
 local tokens, D head dim; heads already divided by tp), on the cp axis' link:
 
     ring      cp - 1 steps. In each, the K and V blocks (2 B Hkv t D bytes) move one hop while
-              the block attention runs; what the block computation cannot hide is exposed.
+              the block attention runs; what the block computation cannot hide is exposed, and
+              the block computation runs (1 + k) times slower while the hop is in flight (k: the
+              cp link's `contention`; `cost.overlap.overlap_extra` prices the pair, so the step
+              pays max(hop - compute, hop k / (1 + k)) per hop; at k = 0, max(0, hop - compute)).
               Forward moves K, V; backward moves K, V, dK, dV and computes twice the work.
               With the zigzag layout every step's block work is the same on every rank
               (causal: half a t x t block pair on average).
@@ -30,6 +33,7 @@ import torch.fx as fx
 
 from autopar.cost.comm import axis_links
 from autopar.cost.hardware import Hardware, load_profile
+from autopar.cost.overlap import contention_of, overlap_extra
 from autopar.passes.context_positions import SDPA, check_context_parallel
 
 METHODS = ("auto", "ring", "ulysses")
@@ -71,6 +75,7 @@ def price_context(facts: ContextFacts, cp: int, tp: int, rows: int | None, link,
     step (default: the captured batch). Ulysses' entries are None when the heads do not divide."""
     ring_s = ulysses_s = ring_b = ulysses_b = 0.0
     heads_ok = facts.heads_divide(cp, tp)
+    k = contention_of(link)
     for b0, h, hkv, t, d, dtype in facts.calls:
         b = rows if rows is not None else b0
         h_local, hkv_local = max(1, h // tp), max(1, hkv // tp)
@@ -82,7 +87,9 @@ def price_context(facts: ContextFacts, cp: int, tp: int, rows: int | None, link,
         compute = block_flops / peak
         kv = 2 * b * hkv_local * tl * d * item
         hop = link.time("send_recv", kv)
-        ring_s += (cp - 1) * (max(0.0, hop - compute) + max(0.0, 2 * hop - 2 * compute))
+        # each hop runs beside the block's attention, which it slows by (1 + k) while in flight
+        # (cost.overlap): at k = 0, max(0, hop - compute) forward + max(0, 2 hop - 2 compute) backward
+        ring_s += (cp - 1) * (overlap_extra(compute, hop, k) + overlap_extra(2 * compute, 2 * hop, k))
         ring_b += 3 * (cp - 1) * kv  # forward: K, V; backward: K, V and dK, dV
         a2a = b * h_local * tl * d * item * cp  # the payload an all-to-all over cp ranks moves, per rank
         ulysses_s += 8 * link.time("all_to_all", a2a)

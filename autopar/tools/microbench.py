@@ -14,10 +14,27 @@
   measured_efficiencies(items, hw)  the GEMM and attention efficiencies the items reached and
                                  the matmul floor they show: what `autopar tune` refits the
                                  profile's compute table with
+  contention_item(device, quick) / run_contention(item, group, device)
+                                 the compute slowdown under communication (`cost.overlap`'s k):
+                                 a GEMM loop timed alone, then while async all-reduces over
+                                 `group` (issued through the loop 4x as fast as they complete,
+                                 so a backlog is always in flight) run on the same devices;
+                                 k = t_with / t_alone - 1 per rank and repeat; the median of
+                                 the covered samples (collectives in flight through the whole
+                                 loop; all samples when none was, and "covered" says 0),
+                                 clamped to [0, MAX_CONTENTION], with their spread and the raw
+                                 times.
+                                 `compute_suite` adds the item when it runs inside a world of 2+
+                                 ranks (the bench job), whose default group it then uses
+  fit_contention(items)          the k that measured items give, with its spread (None: none)
 
 On a GPU the matmul items span small (256^2..1024^2, launch-bound), medium and large GEMMs and
 the shapes of a transformer layer; attention spans seq 512 / 2048 / 8192 at head_dim 64 and
 128, causal and not: the axes of the compute table (autopar/cost/compute_tables.py).
+
+The contention item is timed with wall clocks on CPU (gloo's threads share the cores with
+the GEMMs: that is what it measures there) and with CUDA events on the compute stream on a GPU
+(NCCL's kernels share the SMs); the GPU path is the same code under NCCL, untested on a GPU.
 
 Every item is a plain dict (JSON-ready) that gets a "seconds" entry when measured. Payloads
 follow `autopar.cost.comm`: the tensor handed to the collective on one rank (all-gather: the
@@ -28,6 +45,7 @@ Reads and writes no node.meta keys.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -38,7 +56,9 @@ import torch.nn.functional as F
 
 from autopar.cost import Hardware
 from autopar.cost.comm import collective_time
+from autopar.cost.hardware import MAX_CONTENTION
 from autopar.cost.node_time import NodeTimer
+from autopar.cost.overlap import slowdown
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -79,7 +99,19 @@ def compute_suite(device: str, quick: bool) -> list[dict[str, Any]]:
                 items.append({"kind": "host_copy", "dtype": "fp32", "numel": n, "direction": direction})
     for n in ([2**24, 2**26] if gpu else [2**20, 2**22] if quick else [2**22, 2**24]):
         items.append({"kind": "host_step", "dtype": "fp32", "numel": n})  # offload's CPU update
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        items.append(contention_item(device, quick))  # run by every rank at once, as the bench job does
     return items
+
+
+def contention_item(device: str, quick: bool) -> dict[str, Any]:
+    """The contention microbenchmark: a GEMM of a transformer layer's size (GPU: 8192 x 4096 x
+    4096 bf16; CPU: the largest quick square, fp32) beside all-reduces of a large bucket."""
+    gpu = device == "cuda"
+    return {"kind": "contention", "dtype": "bf16" if gpu else "fp32",
+            "shape": [8192, 4096, 4096] if gpu else [384, 384, 384], "op": "all_reduce",
+            "payload": 2**28 if gpu else (2**22 if quick else 2**24), "repeats": 7 if quick else 15,
+            "window_s": 0.005 if gpu else 0.04}
 
 
 def collective_suite(sizes: list[int]) -> list[dict[str, Any]]:
@@ -152,6 +184,8 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
         src, dst = (host, dev) if item["direction"] == "h2d" else (dev, host)
         fn = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
         out.update(flops=0.0, bytes=float(n * host.element_size()))
+    elif kind == "contention":
+        return run_contention(item, None, device)
     elif kind == "host_step":
         # the offloaded update (runtime/offload.py): fused AdamW over fp32 masters on the CPU;
         # bytes as cost.memory.offload_step_seconds counts them (master + 2 states read and
@@ -167,6 +201,145 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
         raise ValueError(f"unknown microbenchmark kind {kind!r}")
     out["seconds"] = _median_time(fn, device)
     return out
+
+
+class _Clock:
+    """Seconds of the work queued on this rank's compute stream between `start` and `stop`:
+    wall time on CPU, CUDA events on the current stream on a GPU (so a collective running on
+    NCCL's own stream is not counted, only its effect on the compute)."""
+
+    def __init__(self, device: str):
+        self.gpu = device == "cuda"
+        if self.gpu:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.gpu:
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.gpu:
+            self.b.record()
+            self.b.synchronize()
+            return self.a.elapsed_time(self.b) / 1e3
+        return time.perf_counter() - self.t0
+
+
+def run_contention(item: dict[str, Any], group=None, device: str = "cpu") -> dict[str, Any]:
+    """Time `item`'s GEMM loop alone and beside async all-reduces over `group`
+    (None: the default group); every rank of the group must call this with the same item.
+    Returns the item with the loop's times, k and its spread over ranks x repeats (see the
+    module docstring); "seconds" is the loop's time beside the collectives (median)."""
+    dt = DTYPES[item["dtype"]]
+    m, kk, n = item["shape"]
+    a, b = torch.randn(m, kk, device=device, dtype=dt), torch.randn(kk, n, device=device, dtype=dt)
+    c = torch.empty(m, n, device=device, dtype=dt)
+    x = torch.zeros(max(1, int(item["payload"]) // 4), device=device)  # zeros: sums stay finite
+    ranks = dist.get_world_size(group)
+    clock = _Clock(device)
+
+    def gemms(count: int, rate: float = 0.0) -> tuple[float, float]:
+        """The loop's seconds, and whether collectives (`rate` issued per GEMM, 2 ahead) were in
+        flight throughout: none had drained when the next was due, the last one outlived the loop."""
+        works = [dist.all_reduce(x, group=group, async_op=True) for _ in range(2 if rate else 0)]
+        drained = False
+        clock.start()
+        for i in range(count):
+            for _ in range((2 + int(i * rate) if rate else 0) - len(works)):  # same count on every rank
+                drained = drained or works[-1].is_completed()
+                works.append(dist.all_reduce(x, group=group, async_op=True))
+            torch.mm(a, b, out=c)
+        t = clock.stop()
+        covered = bool(works) and not drained and not works[-1].is_completed()
+        for w in works:
+            w.wait()
+        _sync(device)
+        return t, float(covered)
+
+    def burst(count: int) -> float:  # seconds per collective of `count` issued back to back, async
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        for w in [dist.all_reduce(x, group=group, async_op=True) for _ in range(count)]:
+            w.wait()
+        _sync(device)
+        return (time.perf_counter() - t0) / count
+
+    gemms(2)
+    burst(1)
+    t_g, t_c = statistics.median(gemms(1)[0] for _ in range(3)), statistics.median(burst(4) for _ in range(3))
+    # one count for every rank: the slowest rank's GEMM and collective set the loop and the cover
+    t = torch.tensor([t_g, t_c], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    t_g, t_c = (max(float(v), 1e-7) for v in t.tolist())
+    count = max(4, math.ceil(max(float(item["window_s"]), 0.5 * t_c) / t_g))
+    alone, beside, covered, issued = [], [], [], 0
+    for r in range(int(item["repeats"])):
+        # collectives issued through the loop 4x as fast as they complete at the GEMM pace of
+        # the last loop alone (the slowest rank's): a backlog stays in flight when the host's
+        # load drifts. Odd repeats run the loop beside them first: drift loads both alike
+        dist.barrier(group=group)
+        if r % 2 == 0:
+            alone.append(gemms(count)[0])
+        t = torch.tensor([alone[-1] / count if alone else t_g], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        rate = 4.0 * max(float(t.item()), t_g) / t_c
+        dist.barrier(group=group)
+        t, cov = gemms(count, rate)
+        beside.append(t)
+        covered.append(cov)
+        issued += 2 + int((count - 1) * rate)
+        if r % 2 == 1:
+            dist.barrier(group=group)
+            alone.append(gemms(count)[0])
+    mine = torch.tensor([alone, beside, covered], dtype=torch.float64, device=device)
+    every = torch.empty(ranks * mine.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(every, mine.flatten(), group=group)
+    every = every.cpu().view(ranks, *mine.shape)
+    al, bs, cov = (every[:, i] for i in range(3))  # (ranks, repeats) each
+    ratios = bs / al - 1.0
+    kept = ratios[cov > 0] if bool((cov > 0).any()) else ratios.flatten()
+    raw = float(statistics.median(kept.tolist()))
+    q = torch.quantile(kept.double(), torch.tensor([0.0, 0.25, 0.75, 1.0], dtype=torch.float64)).tolist()
+    out = dict(item)
+    colls = round(issued / len(beside))
+    out.update(gemms=count, collectives=colls, group_size=ranks, gemm_s=t_g, collective_s=t_c,
+               busy_s=colls * t_c, alone_s=statistics.median(al.flatten().tolist()),
+               seconds=statistics.median(bs.flatten().tolist()),
+               k_raw=raw, k=min(MAX_CONTENTION, max(0.0, raw)), covered=float(cov.mean()),
+               k_spread={"min": q[0], "q25": q[1], "q75": q[2], "max": q[3], "samples": int(kept.numel())},
+               k_per_rank=[statistics.median(r.tolist()) for r in ratios],
+               times={"alone_s": al.tolist(), "with_s": bs.tolist(), "covered": cov.tolist()})  # [rank][repeat]
+    return out
+
+
+def fit_contention(items: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The contention k measured `items` give (the median of their k; one item per bench), with
+    the first item's spread and set-up; None when no item measured it."""
+    got = [it for it in items if it.get("kind") == "contention" and it.get("k") is not None]
+    if not got:
+        return None
+    it = got[0]
+    return {"k": float(statistics.median(i["k"] for i in got)), "k_raw": it["k_raw"], "spread": it["k_spread"],
+            "k_per_rank": it["k_per_rank"], "covered": it["covered"], "ranks": it["group_size"],
+            "repeats": it["repeats"], "gemm": f"{'x'.join(map(str, it['shape']))} {it['dtype']} x{it['gemms']}",
+            "collective": f"{it['collectives']} x {it['op']} of {it['payload']} B",
+            "alone_s": it["alone_s"], "with_s": it["seconds"]}
+
+
+def contention_text(r: dict[str, Any] | None) -> str:
+    """The tune report's line on contention (`r`: its "contention" entry)."""
+    if not r or not r.get("measured"):
+        return (f"contention k: not measured (a world of one rank, or a bench from before it was); the profile's "
+                f"{(r or {}).get('tuned_k', 0.0):.3g} kept")
+    m, s = r["measured"], r["measured"]["spread"]
+    return (f"contention k (intra-node link; compute beside all-reduce): measured {m['k']:.3f} "
+            f"(unclamped {m['k_raw']:+.3f}; median of {s['samples']} rank x repeat samples of {m['ranks']} ranks x "
+            f"{m['repeats']}, range {s['min']:+.3f}..{s['max']:+.3f}, quartiles {s['q25']:+.3f}..{s['q75']:+.3f}; "
+            f"collectives in flight through {m['covered']:.0%} of the loops; {m['gemm']} beside {m['collective']}); "
+            f"datasheet {r['datasheet_k']:.3g}, tuned profile {r['tuned_k']:.3g}")
 
 
 def run_collective(item: dict[str, Any], group, device: str) -> dict[str, Any]:
@@ -227,6 +400,8 @@ def predicted_seconds(item: dict[str, Any], hw: Hardware, *, link=None) -> float
                              causal_fraction=0.5 if item.get("causal", True) else 1.0)
     if kind in ("vector", "memory", "launch"):
         return timer.seconds("vector", item["dtype"], 0.0, item["flops"], item["bytes"])
+    if kind == "contention":  # the measured loop alone, slowed by hw's k while the collectives run
+        return item["alone_s"] + slowdown(item["alone_s"], item["busy_s"], hw.contention_for(False))
     if kind == "host_copy":
         return item["bytes"] / hw.host_bandwidth
     if kind == "host_step":

@@ -7,8 +7,9 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
   1. bench      (launched world, `autopar.tools.worker` "bench")  bench/compute.json: matmul over
                 shapes and dtypes, causal attention, elementwise and copy over sizes, kernel
                 launch overhead, pinned host<->device copies (GPU) and the CPU's fused AdamW
-                step (what offload runs on), measured on every rank at once; bench/coll_*.json: each
-                collective on each mesh axis over message sizes
+                step (what offload runs on), measured on every rank at once, and the compute's
+                slowdown while all-reduces over the whole world run (`microbench.run_contention`);
+                bench/coll_*.json: each collective on each mesh axis over message sizes
   2. fit        profile_microbench.json: the base profile with its efficiency factors, peaks
                 (raised where the machine beat the datasheet), intra-node link (latency and
                 bandwidth, least squares on the alpha-beta formula of `autopar.cost.comm`),
@@ -18,7 +19,8 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
                 refitted: measured shapes replace their rows, the others scale by the
                 measured / tabled ratio (`autopar.cost.compute_tables.refit_*`), and the
                 matmul floor becomes the fastest small GEMM's time. A base without a table
-                (cpu-gloo, hand-written profiles) keeps the flat factors alone.
+                (cpu-gloo, hand-written profiles) keeps the flat factors alone. The intra-node
+                link's contention k (`cost.overlap`) becomes the measured one.
   3. plan       candidates/c*.json: the best `top` plans under the fitted profile
                 (`autopar.tools.planning.plan_model`)
   4. run        (launched world, "candidates") runs/c*.json: each plan for warm-up + timed
@@ -53,7 +55,8 @@ from autopar.cost import Hardware, load_profile
 from autopar.cost.comm import axis_links, bytes_sent, steps as comm_steps
 from autopar.cost.compute_tables import refit_attention, refit_matmul
 from autopar.cost.hardware import from_dict
-from autopar.tools.microbench import COLLECTIVE_OPS, default_message_sizes, measured_efficiencies, predicted_seconds
+from autopar.tools.microbench import (COLLECTIVE_OPS, contention_text, default_message_sizes, fit_contention,
+                                      measured_efficiencies, predicted_seconds)
 from autopar.passes.plan import Plan
 
 STATE = "tune_state.json"
@@ -193,6 +196,10 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
         d["topology"]["intra_node"]["latency"] = alpha
         _set_rate(d, ("topology", "intra_node", "bandwidth"), "intra_node", beta, fits, "intra-node link")
         fits["intra-node link"]["latency"] = alpha
+    con = fit_contention(compute)
+    if con is not None:  # measured over the world's group, on this one node: the intra-node link's k
+        d["contention"] = {**d["contention"], "intra_node": con["k"]}
+        fits["contention"] = {**con, "was": base.contention_for(False)}
     d["name"] = f"{base.name}-tuned"
     d["description"] = f"{base.name} fitted by autopar tune to measurements on this machine"
     d["calibration"] = {"source": "autopar tune", "base": base.name, "fits": fits}
@@ -435,6 +442,8 @@ def _fit_line(k: str, v: dict) -> str:
         return f"link {v['rate'] / 1e9:.3g} GB/s, {v['latency'] * 1e6:.3g} us"
     if k == "kernel launch":
         return f"launch {v['seconds'] * 1e6:.3g} us"
+    if k == "contention":
+        return f"contention k {v['k']:.3g} (was {v['was']:.3g})"
     if k == "compute table":
         return f"compute table refitted ({v['matmul shapes']} GEMM, {v['attention shapes']} attention shapes)"
     return k
@@ -494,10 +503,13 @@ def build_report(cfg, base, fitted, calibrated, compute, colls, plans, ids, runs
             "kernel_overhead_s": {"microbenchmark": fitted.kernel_overhead_s,
                                   "calibrated": calibrated.kernel_overhead_s},
             "ops": ops, "collectives": coll_rows, "memory": memory, "steps": steps,
+            "contention": {"datasheet_k": base.contention_for(False), "tuned_k": fitted.contention_for(False),
+                           "measured": fitted.calibration.get("fits", {}).get("contention")},
             "notes": ["datasheet = the base profile before tuning; predicted = the tuned profile: for op classes and "
                       "collectives its microbenchmark fit, for step times and memory also the per-kernel overhead "
                       "fitted to the measured steps (microbench fit = the step predicted before that refit)",
                       "only the intra-node link was measured (one node); inter-node figures are the base profile's",
+                      "op class contention: a GEMM loop beside all-reduces, predicted from its time alone and k",
                       "memory on CPU: the tensor storages the plan's model, optimizer and runtime hold at the "
                       "start of a step plus the largest rise the profiler's allocation events show during it; on "
                       "GPU: torch.cuda.max_memory_allocated",
@@ -571,5 +583,6 @@ def report_text(r: dict, width: int = 120) -> str:
     k = r["kernel_overhead_s"]
     tail = [f"* = the plan kept (fastest measured): {r['chosen']}",
             f"per-kernel overhead: {k['microbenchmark'] * 1e6:.2f} us measured on one kernel, "
-            f"{k['calibrated'] * 1e6:.2f} us fitted to the step times"] + [f"note: {n}" for n in r["notes"]]
+            f"{k['calibrated'] * 1e6:.2f} us fitted to the step times", contention_text(r.get("contention"))]
+    tail += [f"note: {n}" for n in r["notes"]]
     return buf.getvalue().rstrip() + "\n" + "\n".join(tail)

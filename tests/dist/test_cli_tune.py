@@ -6,7 +6,9 @@ the best 3 plans run for real, the calibration. Checked: the files exist and loa
 predicted and measured columns, the kept plan is the fastest measured one, and after
 calibration every plan's predicted step time is within 4x of the measured one (a calibration
 wrong in kind; the 25 % target for CPU is a printed figure, not a timed assertion: under load
-on a shared 2-core machine it measured 26-29 %). Then resuming: with one plan's result
+on a shared 2-core machine it measured 26-29 %); the contention k the bench measured (a GEMM
+loop beside all-reduces) is the tuned profiles' intra-node k and the report prints it, whatever
+its value. Then resuming: with one plan's result
 and the report removed, the same command (forked world this time: the launcher is not part
 of what must match) re-runs that plan only and keeps the benchmarks and the others' results.
 
@@ -61,6 +63,16 @@ def test_tune_writes_a_profile_a_plan_and_a_predicted_versus_measured_report(tun
         block = text[text.index(title):]
         header = block.splitlines()[2]
         assert "predicted" in header and "measured" in header, header
+    # contention: the k the bench measured on the 2 ranks is the tuned profiles' intra-node k, printed
+    bench = json.loads((out / "bench" / "compute.json").read_text())["items"]
+    (con,) = [it for it in bench if it["kind"] == "contention"]
+    assert math.isfinite(con["k"]) and con["k"] >= 0 and con["group_size"] == 2
+    for name in ("profile_microbench.json", "profile.json"):
+        tuned_hw = load_profile(out / name)
+        assert tuned_hw.contention_for(False) == con["k"], name
+        assert tuned_hw.contention_for(True) == load_profile("cpu-gloo").contention_for(True), name
+    assert rep["contention"]["measured"]["k"] == con["k"] and "contention fp32" in {o["class"] for o in rep["ops"]}
+    assert f"contention k (intra-node link; compute beside all-reduce): measured {con['k']:.3f}" in text
 
 
 def test_tune_keeps_the_fastest_measured_plan(tuned):

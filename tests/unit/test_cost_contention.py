@@ -2,7 +2,8 @@
 (1 + k) times slower, k the profile's `contention` for the collective's link; what is exposed is
 what cannot hide behind the slowed compute. Profiles state k, `cost.overlap` models it, and
 `cost.estimate` and the planner's cost model (`search.plan_cost`, `search.plan_comm`) apply it
-where collectives overlap compute, and nowhere else."""
+where collectives overlap compute, and nowhere else; the context-parallel ring's hops
+(`search.context.price_context`, the one price both read) are priced with the same model."""
 from __future__ import annotations
 
 import json
@@ -157,3 +158,63 @@ def test_planner_prices_contention_where_estimate_does_and_on_pipeline_transfers
             ea = estimate(gm, plan, hw.with_contention(0.0), batch_is_global=True)
             eb = estimate(gm, plan, hw, batch_is_global=True)
             assert eb.step_s > ea.step_s, c.label()
+
+
+def test_ring_attention_hops_slow_the_block_attention_they_hide_behind():
+    """`search.context.price_context`: each ring hop runs beside one block's attention, slowed by
+    (1 + k) while the hop is in flight; at k = 0 the price is the plain-overlap one."""
+    from autopar.search.context import ContextFacts, price_context
+
+    # one attention call: b = h = hkv = d = 1, t = 4 fp32 tokens; cp = 2: tl = 2, a block pair is
+    # 4 tl^2 d / 2 = 8 FLOPs, at 8 FLOP/s 1 s of compute; a hop moves K, V = 2 tl d 4 = 16 bytes
+    facts = ContextFacts(((1, 1, 1, 4, 1, torch.float32),), 4, 1)
+    hw = SimpleNamespace(peak=lambda dtype: 8.0, attention_eff=lambda dtype, seq, head_dim: 1.0)
+
+    def ring(hop, k):
+        sent = []
+        link = SimpleNamespace(time=lambda op, x: sent.append((op, x)) or (hop if op == "send_recv" else 0.0),
+                               contention=k)
+        s = price_context(facts, 2, 1, None, link, hw)["exposed_s"]["ring"]
+        assert ("send_recv", 16) in sent
+        return s
+
+    def fluid(work, busy, k):  # the same pair on a CommStream: time beyond the compute's own
+        st = CommStream(k)
+        st.issue(0.0, busy)
+        return max(st.run(0.0, work), st.free) - work
+
+    for hop in (0.5, 1.2, 3.0):  # compute-bound, nearly balanced, communication-bound hops
+        old = max(0.0, hop - 1.0) + max(0.0, 2 * hop - 2.0)  # forward K, V; backward K, V, dK, dV over 2x work
+        assert ring(hop, 0.0) == old, hop
+        want = fluid(1.0, hop, 0.25) + fluid(2.0, 2 * hop, 0.25)
+        assert ring(hop, 0.25) == pytest.approx(want, rel=1e-12), hop
+    # by hand at k = 0.25: a 0.5 s hop holds 0.4 s of the 1 s block to 0.5 s of wall: 0.1 s more
+    # forward, 0.2 s backward, where plain overlap hid it all; a 1.2 s hop: 0.24 + 0.48, not 0.2 + 0.4
+    assert ring(0.5, 0.25) == pytest.approx(0.3) and ring(1.2, 0.25) == pytest.approx(0.72)
+    # communication-bound: the compute's slowdown hides under the hop, the price is the hop's
+    assert ring(3.0, 0.25) == pytest.approx(2.0 + 4.0)
+
+
+def test_context_exchange_price_carries_the_cp_links_contention_into_plan_and_estimate():
+    """A real profile: the cp link's k raises the ring's exposed seconds in the plan entry that
+    both `cost.estimate` and the planner read; ulysses (nothing overlapped) does not move."""
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.search.context import context_facts, price_context
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=4096)
+    gm = autopar.capture(GPT(cfg), (torch.zeros(2, 4096, dtype=torch.long),), dynamic_seq=True)
+    facts = context_facts(gm)
+    hw = load_profile("h100-sxm")
+    p0 = price_context(facts, 2, 1, 2, axis_links(hw.with_contention(0.0), {"cp": 2})["cp"], hw)["exposed_s"]
+    p1 = price_context(facts, 2, 1, 2, axis_links(hw, {"cp": 2})["cp"], hw)["exposed_s"]
+    assert p1["ulysses"] == p0["ulysses"] > 0
+    assert p1["ring"] > p0["ring"]
+    # the fluid model's bound: at most k / (1 + k) of the hops' time is added (3 hop-times a step)
+    link = axis_links(hw, {"cp": 2})["cp"]
+    assert p1["ring"] - p0["ring"] <= 3 * K / (1 + K) * sum(
+        link.time("send_recv", 2 * b * kv * (t // 2) * d * dt.itemsize) for b, _h, kv, t, d, dt in facts.calls) * 1.000001
+    plan = Plan(mesh={"cp": 2}, dp_axis=None, extra={"context": {"axis": "cp", "method": "ring", "exposed_s": p1,
+                                                   "bytes": {"ring": 1.0, "ulysses": 1.0}}})
+    e = estimate(gm, plan, hw)
+    assert sum(r.exposed_s for r in e.comm if r.axis == "cp" and r.phase == "attention") == pytest.approx(p1["ring"])
