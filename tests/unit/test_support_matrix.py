@@ -1,5 +1,6 @@
 """docs/support_matrix.md, checked: every combination the matrix marks refused ("R") is still
-refused before any step, with its message, and every test the matrix cites as evidence exists.
+refused before any step, with its message, every test the matrix cites as evidence exists,
+and the counts its Gaps section states are those of table A.
 
 No process group: the refusals are raised while checking a mesh or a plan against the captured
 graph (`build.plan_check`), while choosing the context-parallel exchange (`search.context`),
@@ -164,6 +165,20 @@ def test_every_test_the_matrix_cites_exists():
         elif not re.search(rf"^def {name}\(", open(full, encoding="utf-8").read(), re.M):
             missing.append(f"{path}::{name}")
     assert not missing, f"docs/support_matrix.md cites tests that do not exist: {missing}"
+
+
+def test_the_counts_the_gaps_section_states_are_those_of_table_a():
+    # a cell changed in table A without its count in "Gaps" (or the other way) fails here
+    text = open(DOC, encoding="utf-8").read()
+    table = text.split("## A. Pairs", 1)[1].split("\n\n", 2)[1]
+    counts = {"P": 0, "p": 0, "R": 0, "?": 0, "—": 0}
+    for line in table.splitlines()[2:]:
+        for cell in [c.strip() for c in line.strip().strip("|").split("|")][1:]:
+            if cell:
+                counts[cell[0]] += 1
+    stated = re.search(r"Counts in table A \((\d+) cells\): (\d+) P, (\d+) p, (\d+) R, (\d+) \?, (\d+) —", text)
+    assert stated, "the Gaps section no longer states the counts as 'Counts in table A (N cells): ...'"
+    assert [int(g) for g in stated.groups()] == [sum(counts.values())] + list(counts.values()), (stated.group(0), counts)
 
 
 def test_every_refusal_the_matrix_lists_points_at_a_line_that_raises_it():
