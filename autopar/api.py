@@ -1,11 +1,13 @@
-"""The user's entry points: `mesh`, `parallelize`, `optimizer`.
+"""The user's entry points: `mesh`, `parallelize`, `optimizer`, `sampler`.
 
-`parallelize(model, mesh, example_inputs=...)` captures the model (autopar.capture), decides
-a Plan (today: data parallel over the whole mesh, with the ZeRO stage and bucket size given
-or pinned; the joint planner replaces this default as it lands), runs the passes that carry
-the plan out (passes.pass_manager), and wraps the per-rank program of this rank
-(runtime.program) as a `ParallelModel` that trains with `step()` and shows its plan and
-dumps.
+`parallelize(model, mesh, example_inputs=...)` composes the floors below it:
+capture (autopar/capture.py) -> the plan (the joint planner, autopar/search/planner.py, on
+`autopar.mesh(world_size=N)`; otherwise the mesh's own axes with the pins given) -> the plan
+completed for this mesh and graph (autopar/build/plan_complete.py: tp sharding, experts,
+context exchange, fusions) -> this rank's program (autopar/build/program.py: the rank's passes,
+recompute, the prediction, the stages and one `runtime.program.Program`) -> the tensors this
+rank keeps (autopar/build/materialize.py, for a model on meta or given `weights`), wrapped as a
+`ParallelModel` that trains with `step()` and shows its plan and dumps.
 """
 from __future__ import annotations
 
@@ -20,32 +22,19 @@ from autopar.runtime._torch_compat import pytree
 
 from autopar.build.materialize import has_meta_tensors, materialize, open_weights
 from autopar.build.model_tensors import model_tensors, shape_only_copy
-from autopar.build.plan_check import (axis_notes, check_mesh_fits, check_micro_batches, check_moe_aux_stats,
+from autopar.build.plan_complete import complete_plan
+from autopar.build.program import build_rank_program, rank_copy
+from autopar.build.plan_check import (check_mesh_fits, check_micro_batches, check_moe_aux_stats,
                                       check_plan_against_graph, stamp)
 from autopar.capture import CaptureError, capture, capture_for_search
 from autopar.cost.hardware import default_profile
 from autopar.input_checks import check_captured_graph, check_example_inputs, check_step_batch, explain_capture_failure
 from autopar.passes.dump import write_graph
-from autopar.passes.pass_manager import PassContext, PassManager
-from autopar.passes.context_attention import context_attention
-from autopar.passes.context_positions import context_positions
-from autopar.passes.expert import expert
-from autopar.passes.fuse import fuse
-from autopar.passes.mark_random import mark_random
 from autopar.passes.plan import Plan
-from autopar.passes.recompute import recompute
-from autopar.passes.retarget_device import retarget_device
-from autopar.passes.shard import shard
-from autopar.passes.split_batch import split_batch
-from autopar.passes.sync_batchnorm import sync_batchnorm
-from autopar.passes.zero import zero
 from autopar.runtime.mesh import Mesh, make_mesh, planning_group
-from autopar.runtime.placement import Layout, Replicate, Shard
 from autopar.runtime.program import Program
 from autopar.runtime.zero_plain_optim import named_masters
-from autopar.search.context import plan_context
-from autopar.search.fusion import search_fusions
-from autopar.search.shard_search import SHARD_AXES, batch_is_static, search_sharding
+from autopar.search.shard_search import SHARD_AXES, batch_is_static
 
 
 def mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None, **axes: int) -> Mesh:
@@ -150,7 +139,7 @@ class ParallelModel(nn.Module):
                             "nodes_after": r.nodes_after, "collectives_added": dict(r.collectives_added),
                             "changed": r.changed} for r in self.pass_records], f, indent=2)
             files.append(lp)
-            from autopar.pipeline_build import write_schedule_svg, write_stage_graphs  # noqa: PLC0415
+            from autopar.build.pipeline import write_schedule_svg, write_stage_graphs  # noqa: PLC0415
 
             files += write_schedule_svg(self._plan, out_dir)
             files += write_stage_graphs(self.__dict__.get("stage_graphs", []), out_dir, self._plan)
@@ -295,99 +284,20 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         if not getattr(mesh, "searched", False):
             check_mesh_fits(global_gm, mesh)
         stamp(plan, global_gm)
-    if mesh.size("cp") > 1 and "context" not in plan.extra:
-        plan.extra["context"] = plan_context(global_gm, dict(mesh.sizes), context_method, hardware or _hardware(mesh))
-        plan.notes += plan.extra["context"]["notes"]
-    local_gm = _fresh(global_gm)
+    local_gm = rank_copy(global_gm)
     if dp > 1 and batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
         # capture again at the local micro-batch size for the per-rank program
         k = dp * plan.n_microbatches
         local_args, local_kwargs = pytree.tree_map(
             lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t, (args, kwargs))
-        local_gm = _fresh(_capture(local_args, local_kwargs))
+        local_gm = rank_copy(_capture(local_args, local_kwargs))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh), group=planning_group())
-    if mesh.size("ep") > 1 and (memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
-        raise ValueError(f"activation recomputation with expert parallelism (ep={mesh.size('ep')}) is not wired yet: "
-                         "after the expert pass the blocks hold the token dispatch, and the recompute search finds no "
-                         "block it can checkpoint (it would silently recompute nothing); drop memory_budget (and "
-                         "plan.recompute), or give the ep ranks to dp with ZeRO-3 to save memory instead")
-    if mesh.size("pp") > 1 and plan.schedule in ("zb_h1", "zbv") and (
-            memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
-        raise ValueError(f"activation recomputation with the {plan.schedule!r} schedule does not run yet: it computes "
-                         "input and weight gradients in two backward passes, and a checkpointed region allows one; "
-                         "use schedule '1f1b' or 'interleaved_1f1b' with memory_budget, or drop memory_budget")
-    if mesh.size("ep") > 1 and "expert" not in plan.extra:
-        from autopar.search.expert import plan_experts  # noqa: PLC0415
-
-        plan.extra["expert"] = plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches,
-                                            hardware=hardware or _hardware(mesh))
-        plan.notes += plan.extra["expert"]["notes"]
-    if mesh.size("ep") > 1:
-        _grouped_expert_layouts(plan, mesh)
-    else:
-        _router_stats_without_ep(plan, global_gm, mesh)
-    if fusions_pinned:
-        from autopar.passes.rules.fusion_table import selection  # noqa: PLC0415
-
-        selection(plan.fusions)  # a bad entry is a ValueError here, not a PassError
-    else:
-        static = batch_is_static(global_gm)
-        search_fusions(plan, local_gm if static else global_gm, hardware or _hardware(mesh),
-                        1 if static else dp * plan.n_microbatches)
-    plan.notes += [n for n in axis_notes(plan) if n not in plan.notes]
-    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
-                      options={"device": mesh.device})
-    pm = PassManager([retarget_device, split_batch, context_positions, shard, context_attention, expert,
-                      sync_batchnorm, mark_random, zero, fuse], dump_dir=dump_dir)
-    local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
-    if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
-        from autopar.recompute_plan import plan_recompute  # noqa: PLC0415
-
-        _modes, rec = plan_recompute(local_gm, memory_budget, hardware or _hardware(mesh))
-        plan.recompute, plan.extra["recompute_save"] = rec.modes, rec.save
-        plan.notes.append(f"recompute for memory_budget={memory_budget!r}: "
-                          + (", ".join(f"{k} {v}" for k, v in rec.modes.items() if v != "none") or "nothing")
-                          + f"; peak {rec.predicted_peak / 2**20:.1f} MiB of {rec.budget_bytes / 2**20:.1f}, "
-                          f"recompute {rec.recompute_s * 1e3:.2f} ms, gap {rec.solver['gap']:.1%}")
-    _predict(plan, global_gm, local_gm, mesh, hardware or _hardware(mesh))  # before recompute (regions are opaque)
-    records, stage_graphs = list(pm.records), []
-    engine_options = {"model_parallel": {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and
-                                                     type(p).__name__ == "Shard")
-                                         for name, lay in plan.param_layouts.items()}, **precision_engine}
-    if any(v != "none" for v in plan.recompute.values()) and mesh.size("pp") == 1:  # pp: per stage, in build_pipeline
-        rpm = PassManager([recompute], dump_dir=dump_dir)
-        local_gm = rpm.run(local_gm, ctx, tag=f"rank{rank}_recompute")
-        records += rpm.records
-    if mesh.size("pp") > 1:
-        from autopar.pipeline_build import build_pipeline  # noqa: PLC0415
-
-        program, stage_graphs, pp_records = build_pipeline(global_gm, local_gm, plan, mesh, sync_init=sync_init,
-                                                           hardware=hardware, dump_dir=dump_dir,
-                                                           engine_options=engine_options)
-        records += pp_records
-        if "pipeline" in plan.extra:  # estimate() costs one stage; the pipeline's own prediction replaces its time
-            pipe = plan.extra["pipeline"]
-            target = plan.predicted["estimate"] if plan.predicted.get("source") == "planner" else plan.predicted
-            target.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
-                          peak_bytes_per_pp_rank=pipe["rank_memory_bytes"], peak_bytes=max(pipe["rank_memory_bytes"]),
-                          peak_bytes_source=pipe.get("rank_memory_source", "stage search"))
-    elif mesh.size("ep") > 1:
-        from autopar.runtime.moe import ExpertProgram  # noqa: PLC0415
-
-        program = ExpertProgram(local_gm, mesh, ep_axis="ep",
-                                expert_params=local_gm.meta["autopar_expert"]["expert_params"],
-                                dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
-                                in_spec=global_gm.meta.get("autopar_in_spec"),
-                                out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
-                                engine_options=engine_options)
-    else:
-        program = Program(local_gm, mesh, dp_axis=plan.dp_axis, zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb,
-                          in_spec=global_gm.meta.get("autopar_in_spec"),
-                          out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
-                          engine_options=engine_options, cp_axis=plan.extra.get("context", {}).get("axis"))
+    complete_plan(plan, global_gm, local_gm, mesh, hardware=hardware or _hardware(mesh), memory_budget=memory_budget,
+                  context_method=context_method, fusions_pinned=fusions_pinned)
+    program, local_gm, stage_graphs, records = build_rank_program(
+        global_gm, local_gm, plan, mesh, hardware=hardware or _hardware(mesh), memory_budget=memory_budget,
+        sync_init=sync_init, dump_dir=dump_dir, engine_options=precision_engine)
     if on_meta or weights is not None:
         report = materialize(program.engine, mesh, model, weights, **model_tensors(global_gm, plan),
                              strict=strict_weights)
@@ -405,38 +315,6 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     pmodel.__dict__["stage_graphs"] = stage_graphs
     return pmodel
 
-
-def _router_stats_without_ep(plan, global_gm, mesh) -> None:
-    """An MoE model split over data ranks without expert parallelism: its load-balancing
-    statistics (router reductions over tokens, `search.expert_detect.router_stats`) are
-    averaged over the axes that split the tokens, so the auxiliary loss is the global batch's
-    (the expert pass does it with ep; `passes/expert.py` reads `plan.extra["router_stats"]`)."""
-    axes = [a for a in (plan.dp_axis, "cp") if a and mesh.size(a) > 1]
-    if not axes or "router_stats" in plan.extra:  # with pp too: the expert pass runs before the stage cut
-        return
-    if not any(n.op == "call_function" and n.target is torch.ops.aten.topk.default for n in global_gm.graph.nodes):
-        return
-    from autopar.search.expert_detect import router_stats  # noqa: PLC0415
-
-    keys = router_stats(global_gm)
-    if keys:
-        plan.extra["router_stats"] = {"keys": keys, "axes": axes}
-        plan.notes.append(f"MoE router statistics ({len(keys)} reductions over tokens) averaged over "
-                          f"{' and '.join(axes)}: the load-balancing loss is the global batch's"
-                          + (f", per micro-batch ({plan.n_microbatches})" if plan.n_microbatches > 1 else ""))
-
-
-def _grouped_expert_layouts(plan: Plan, mesh: Mesh) -> None:
-    """Grouped expert parameters (transformers' fused (E, ...) experts) keep this rank's experts'
-    rows: record the ep cut of dim 0 so checkpoints and exports describe the program."""
-    for b in plan.extra["expert"]["blocks"].values():
-        if b["idiom"] not in ("sorted", "dense"):
-            continue
-        for name in b["expert_params"]:
-            base = plan.param_layouts.get(name) or Layout.replicated(tuple(mesh.sizes))
-            if "ep" not in dict(base.axes):
-                base = Layout(base.axes + (("ep", Replicate()),))
-            plan.param_layouts[name] = base.replace("ep", Shard(0))
 
 def optimizer(model: ParallelModel, cls: type, **kwargs: Any):
     """The optimizer for a parallelised model: `cls` over this rank's (possibly sharded) state,
@@ -530,43 +408,3 @@ def _cp_may_be_searched(pins) -> bool:
     if "cp" in pins:
         return pins["cp"] != 1
     return "mesh" not in pins or (pins["mesh"] or {}).get("cp", 1) != 1
-
-
-def _fresh(gm):
-    """A GraphModule with its own copy of `gm`'s graph and module tree but the same tensors:
-    passes rewrite it and swap its parameters for shards without touching `gm` (kept as the
-    captured global graph) or using memory for a second copy of the weights."""
-    import copy  # noqa: PLC0415
-
-    import torch.fx as fx  # noqa: PLC0415
-
-    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    out.meta.update(gm.meta)
-    return out
-
-
-def _predict(plan: Plan, global_gm, local_gm, mesh: Mesh, hardware: str) -> None:
-    """Fill plan.predicted from the cost model when it is available, for the hardware the plan
-    was made for. Sizes are per rank: the global graph with the batch split over dp x
-    micro-batches, or the per-rank capture when the batch dim was captured static. The global
-    graph has no tensor-parallel collectives: their time, as the sharding search priced it,
-    is added to the step (they block the ops that wait for them) and to the communication."""
-    try:
-        from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
-    except ImportError:
-        return
-    planned = plan.predicted if plan.predicted.get("source") == "planner" else None
-    try:
-        if batch_is_static(global_gm):
-            predicted = cost_estimate(local_gm, plan, hardware).summary()
-        else:
-            predicted = cost_estimate(global_gm, plan, hardware, batch_is_global=True).summary()
-        for axis, info in plan.extra.get("shard", {}).items():
-            t = float(info["comm_s"]) * plan.n_microbatches  # the search prices one micro-batch
-            predicted[f"{axis}_comm_s"] = t
-            for k in ("step_s", "comm_s", "comm_exposed_s"):
-                if k in predicted:
-                    predicted[k] += t
-    except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
-        predicted = {"error": f"{type(e).__name__}: {e}"}
-    plan.predicted = {**planned, "estimate": predicted} if planned is not None else predicted

@@ -4,7 +4,7 @@ all-to-all bytes against the cost model.
     python benchmarks/bench_expert.py [--world 4] [--rounds 6] [--warmup 2] [--capacity 1.25]
 
 Spawns a gloo world (CPU) and builds the same MoE (models/moe.py: 8 experts, top-2) from one
-seed twice: EP, ep=world through the expert pass (`autopar.expert_parallelize.parallelize_experts`:
+seed twice: EP, ep=world through the expert pass (`autopar.parallelize` on `autopar.mesh(ep=world)`:
 each rank holds 8/world experts, tokens travel by uneven all-to-all), and DP, dp=world through
 `autopar.parallelize` (every rank holds every expert and runs the model's own dispatch). The
 two run round-robin, one training step (forward, backward, AdamW) each per round, so machine
@@ -36,7 +36,6 @@ from autopar.models import token_batch
 from autopar.runtime import moe
 from autopar.runtime.collectives import COUNTER
 from autopar.runtime.launch import run_world
-from autopar.expert_parallelize import parallelize_experts
 from autopar.search.expert import detect_moe, ep_cost, measured_imbalance
 
 CONFIG = MoEConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512, max_seq_len=64,
@@ -57,7 +56,7 @@ def _world(rank: int, ws: int, rounds: int, warmup: int, cf: float):
     out = {}
     for mode, cfm in (("dropless", None), (f"capacity {cf}", cf)):
         x0, _ = _batch(torch.Generator().manual_seed(1))
-        ep = parallelize_experts(_build(cfm), autopar.mesh(ep=ws), example_inputs=x0)
+        ep = autopar.parallelize(_build(cfm), autopar.mesh(ep=ws), example_inputs=x0)
         dp = autopar.parallelize(_build(cfm), autopar.mesh(dp=ws), example_inputs=x0)
         progs = {"ep": (ep, autopar.optimizer(ep, torch.optim.AdamW, lr=LR)),
                  "dp": (dp, autopar.optimizer(dp, torch.optim.AdamW, lr=LR))}

@@ -35,7 +35,7 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.passes.pass_manager import PassContext
 from autopar.passes.plan import Plan
 from autopar.passes.recompute import observe_cached, recompute
-from autopar.recompute_plan import plan_recompute
+from autopar.build.recompute_plan import plan_recompute
 from autopar.search.recompute import build_chain, solve_dp, solve_milp
 
 aten = torch.ops.aten

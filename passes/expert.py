@@ -40,9 +40,9 @@ For each block, with P ranks on the ep axis, this rank (index r) owning experts
 
 Dead nodes are removed (an `_assert_tensor_metadata` or in-place op survives only if its
 tensor does). `gm.meta["autopar_expert"]` records the axis and this rank's expert parameter
-names (for `runtime.moe.ExpertProgram`). With tp, the pass runs after `shard` and needs the
-block's tokens and per-expert rows replicated on tp; an expert output that is a partial
-sum is all-reduced before the combine when the original combine was replicated.
+names (for `runtime.program.Program`, its `expert_params`). With tp, the pass runs after
+`shard` and needs the block's tokens and per-expert rows replicated on tp; an expert output
+that is a partial sum is all-reduced before the combine when the original combine was replicated.
 
 Reads node.meta["autopar"] (shape, dtype, module, layout). Writes node.meta["autopar"] on
 the nodes it inserts and `.layout` S(0) on the ep axis for batch-sharded nodes.

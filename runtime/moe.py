@@ -21,7 +21,7 @@ the ep group's token rows (and dense scores), `dense_combine(y, axis)`
 reduce-scatters the partial sum over this rank's experts back to its tokens.
 
 Order. Rows of one expert are in *global token-major order*: ep rank j's tokens come after
-rank j-1's (the batch is split contiguously over the ep axis, `ExpertProgram`), and within a
+rank j-1's (the batch is split contiguously over the ep axis, `runtime.program.Program`), and within a
 rank in (n, k) row-major order. This is the queue order of a single process running the
 whole ep group's batch.
 
@@ -40,8 +40,8 @@ With axis None or of size 1 nothing is communicated: dispatch / combine are a lo
 permute / un-permute.
 
 Also here: `grad_avg` / `grad_scale` (identity forward; all-reduce-average over an axis, or a
-constant scale, of the gradient), which the expert pass puts on parameter reads, and
-`ExpertProgram`, the per-rank program whose batch is split over dp x ep.
+constant scale, of the gradient), which the expert pass puts on parameter reads. The
+program that splits the batch over dp x ep is `runtime.program.Program` (its `ep_axis`).
 
 It reads and writes no `node.meta` keys.
 """
@@ -52,12 +52,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import collectives as C
-from .collective_errors import issue
-from ._torch_compat import pytree
-from .program import Program, evaluate
 
 
 # --- routing ------------------------------------------------------------------------------
@@ -309,72 +305,6 @@ def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _GradScale.apply(x, float(factor))
 
 
-# --- the per-rank program ---------------------------------------------------------------------
-class ExpertProgram(Program):
-    """A `Program` whose batch is split over dp x ep: dim 0 of the global batch is cut in dp
-    pieces, each of them in ep pieces (ep index j takes rows [j * b, (j + 1) * b) of its dp
-    piece), and the reported loss is averaged over both axes. Gradients leave the graph
-    already averaged over ep (the expert pass puts `grad_avg` / `grad_scale` on parameter
-    reads), so the engine reduces over dp only, at any ZeRO stage.
-
-    `expert_params`: names of parameters that differ between ep ranks; the others are
-    broadcast from ep index 0 when `sync_init`. The engine is told that the expert parameters
-    are sharded over ep (`model_parallel`), so a global gradient norm counts every expert once.
-    `evaluate` averages the loss over dp and ep; the dropout stream is seeded per ep index too
-    (ep ranks see different rows: runtime/rng.py)."""
-
-    def __init__(self, module, mesh, *, ep_axis: str = "ep", expert_params=(), sync_init: bool = True,
-                 engine_options: dict | None = None, **kw):
-        opts = dict(engine_options or {})
-        mp = {k: tuple(v) for k, v in (opts.get("model_parallel") or {}).items()}
-        if mesh.size(ep_axis) > 1:
-            for name in expert_params:
-                mp[name] = tuple(sorted(set(mp.get(name, ())) | {ep_axis}))
-        if mp:
-            opts["model_parallel"] = mp
-        super().__init__(module, mesh, sync_init=sync_init, engine_options=opts, **kw)
-        self.ep_axis = ep_axis
-        self.ep = mesh.size(ep_axis)
-        if sync_init and self.ep > 1 and dist.is_initialized():
-            skip = set(expert_params)
-            with torch.no_grad():
-                for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-                    if name not in skip:
-                        C.broadcast_(t.data, ep_axis, 0)
-
-    def local_batch(self, batch):
-        batch = super().local_batch(batch)
-        if self.ep == 1:
-            return batch
-        idx = self.mesh.local_rank(self.ep_axis)
-
-        def take(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            n = t.shape[0]
-            if n % self.ep:
-                raise ValueError(f"each data-parallel piece of the batch has {n} rows, which does not divide by "
-                                 f"{self.ep_axis}={self.ep}; use a global batch that is a multiple of "
-                                 f"dp x ep = {self.dp * self.ep}")
-            k = n // self.ep
-            return t[idx * k:(idx + 1) * k]
-
-        return pytree.tree_map(take, batch)
-
-    def evaluate(self, batch, loss_fn) -> torch.Tensor:
-        """`Program.evaluate`, the loss averaged over dp and ep (both split the batch)."""
-        return evaluate(self, batch, loss_fn, self.dp_axis, self.ep_axis)
-
-    def step(self, batch, loss_fn, n_microbatches: int = 1) -> torch.Tensor:
-        loss = super().step(batch, loss_fn, n_microbatches)
-        if self.ep > 1:
-            loss = loss.clone()
-            C.COUNTER.record("metric_all_reduce", self.ep_axis, loss.numel() * loss.element_size())
-            issue("loss all_reduce", dist.all_reduce, loss, op=dist.ReduceOp.AVG,
-                  group=self.mesh.group(self.ep_axis), axis=self.ep_axis)
-        return loss
-
-
 __all__ = ["Route", "route", "dispatch", "combine", "dense_dispatch", "dense_combine", "expert_rows", "local_offsets",
            "local_expert_ids",
-           "keep_mask", "recording", "group_capacity", "grad_avg", "grad_scale", "ExpertProgram"]
+           "keep_mask", "recording", "group_capacity", "grad_avg", "grad_scale"]

@@ -38,7 +38,7 @@ Data parallel (pp x dp): give `engines={stage: make_engine(module, mesh, "dp", s
 every backward of a stage except its last one in the step runs in `engine.no_sync()`, the
 last one (`B`, or the last `W`) lets the engine's hooks launch their reductions, and
 `finish_backward()` runs once per stage after the schedule. fp16 loss scaling: engines joined
-in a `zero_optim.LossScaleGroup` (as `PipelineProgram` makes them) scale only at the last
+in a `zero_optim.LossScaleGroup` (as `runtime.program.Program` makes them) scale only at the last
 stage's outputs and settle one agreed overflow verdict in that `finish_backward()`.
 Tied parameters on different stages (embedding on the first, LM head on the last) are made
 equal at construction and get their gradients summed after every stage's

@@ -21,8 +21,9 @@ dp average of the summed gradient (averaging is linear), which is what one proce
 The masters then take identical optimizer steps, so the copies stay equal. Without an engine
 the sum acts on `.grad`.
 
-Not handled here: fp16 dynamic loss scaling (each engine decides its own overflow skips), which
-`runtime.pipeline_program.PipelineProgram` refuses with tied weights across stages.
+Not handled here: fp16 dynamic loss scaling. The engines of every stage share one scale and one
+overflow verdict (`zero_optim.LossScaleGroup`, made by `runtime.program.Program`), so both
+copies step or skip together.
 
 Reads and writes no `node.meta` keys. Counts the all-reduce in `collectives.COUNTER` as
 ("all_reduce", pp axis) and the initial broadcast as ("broadcast", pp axis).

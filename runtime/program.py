@@ -1,21 +1,47 @@
-"""The per-rank program: runs the rewritten graph and a training step on one rank.
+"""The per-rank program: this rank's stages of the rewritten graph, and a training step.
 
-`Program` holds this rank's graph module (parameters included), the mesh, and the engine
-that reduces and shards gradients and optimizer state (`runtime.zero`). `step(batch,
-loss_fn)` takes the *global* batch, keeps this rank's part along the data-parallel axis
-(dim 0), splits it into micro-batches, runs forward and backward (communicating only on the
-last micro-batch), and returns the loss of the whole global batch (the mean over the
-data-parallel ranks of their local mean losses, which equals the one-process loss when
-`loss_fn` is a mean over the batch).
+There is one kind of program. `Program` holds the stage modules this rank runs (one module for
+a plan without pipeline parallelism; the stages a pipeline schedule places on this pp rank
+otherwise), the mesh, and one engine per stage that reduces and shards gradients and optimizer
+state (`runtime.zero`). What else a plan uses composes inside it:
 
-Mode and random numbers: the module runs inside `self.rng.fork(self.training)` (runtime/rng.py),
-so `train()` / `eval()` switch the graph's dropout and batch norm as in PyTorch, and dropout
-draws from this rank's model-parallel stream (dp ranks differ, tp peers agree). `evaluate(batch,
-loss_fn)` is the no-grad loss of a global batch, averaged over dp like `step`'s.
+  * data parallelism (`dp_axis`) and context parallelism (`cp_axis`) split the batch (dim 0 over
+    dp; dim 1, the sequence, over cp in zigzag chunks), and the ranks of both hold the same
+    parameters: gradients, ZeRO's shards and the reported loss are over them joined ("dp+cp");
+  * expert parallelism (`ep_axis`): the stage graphs hold the expert all-to-alls (the expert
+    pass put them there, and `moe.grad_avg` / `moe.grad_scale` on the parameter reads, so
+    gradients leave the graph averaged over ep); the program cuts each dp piece of the batch
+    again in ep pieces (ep index j takes rows [j * b, (j + 1) * b)), starts the parameters the
+    ep ranks share equal (broadcast from ep index 0; the `expert_params` differ) and tells the
+    engines the experts are ep-sharded, so a global gradient norm counts every expert once;
+  * pipeline parallelism (`pp_axis` of size > 1): `step` runs a schedule over the stages
+    (`runtime.pipeline.PipelineExecutor`, built on the first step for each number of
+    micro-batches); tied weights on several stages hold the sum of their gradients on the
+    engines' masters (runtime/pipeline_tied.py); `forward` runs the stages in order for
+    inference (runtime/stage_transport.py), every pp rank returning the output; `engine` is a
+    `runtime.stage_engines.PipelineEngines` over the stages' engines.
+  * fp16 loss scaling (`zero_optim.LossScaleGroup`): one scale per rank, applied by the last
+    stage only, and the inf/NaN verdict agreed over every axis of size > 1 before any stage
+    steps or skips, so a tp rank whose shard overflowed never skips alone.
 
-The runtime knows nothing of plans or graphs beyond "a module to call": the brain decides,
-the passes rewrite, this runs. The step labels its parts (`collective_errors.where`: "step 3 >
-micro-batch 1/2 backward", "gradient reduction"), so a collective that fails names where.
+`step(batch, loss_fn, n_microbatches)` takes the *global* batch `(inputs, targets)`, keeps
+this rank's part, splits it into micro-batches, runs forward and backward (one stage: the
+micro-batches in turn, communicating only on the last; several: the schedule), and returns the
+loss of the whole global batch on every rank (the mean over micro-batches, then over the axes
+that split the batch, which equals the one-process loss when `loss_fn` is a mean over the
+batch). Gradients are left reduced (and sharded, under ZeRO) for the optimizer's `step()`.
+
+Mode and random numbers: each stage runs inside `self.rng.fork(self.training)`
+(runtime/rng.py), so `train()` / `eval()` switch dropout and batch norm as in PyTorch, and
+dropout draws from this rank's model-parallel stream (dp ranks differ, tp peers agree, pp
+stages are independent). `evaluate(batch, loss_fn)` is the no-grad loss of a global batch,
+averaged like `step`'s.
+
+The runtime knows nothing of plans or graphs beyond "modules to call": the search decides, the
+passes rewrite, the build floor makes the stages, this runs. The step labels its parts
+(`collective_errors.where`: "step 3 > micro-batch 1/2 backward", "gradient reduction"), so a
+collective that fails names where. Counts the reported loss's all-reduces as
+"metric_all_reduce" in `collectives.COUNTER`.
 """
 from __future__ import annotations
 
@@ -24,66 +50,180 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from ._torch_compat import pytree
 
 from . import collectives as C
+from . import stage_transport
+from ._torch_compat import pytree
 from .collective_errors import issue, where
 from .context_layout import shard_sequence
 from .mesh import Mesh
+from .pipeline import PipelineExecutor
+from .pipeline_tied import TiedPair
 from .rng import RNGTracker
+from .schedules import Schedule, make_schedule
+from .stage_engines import PipelineEngines
 from .zero import broadcast_module, make_engine
 from .zero_optim import LossScaleGroup
 
+__all__ = ["Program", "evaluate", "data_axis", "check_loss"]
+
 
 class Program(nn.Module):
-    def __init__(self, module: nn.Module, mesh: Mesh, *, dp_axis: str | None = "dp", zero_stage: int = 0,
-                 bucket_mb: float = 25.0, in_spec=None, out_spec=None, sync_init: bool = True,
-                 engine_options: dict | None = None, cp_axis: str | None = None):
+    """This rank's program (see the module docstring).
+
+    Args:
+        stages: this rank's stage modules: one module (no pipeline), or {stage index: module}
+            for the stages the schedule places on this pp rank.
+        mesh: the Mesh.
+        dp_axis, cp_axis, ep_axis: the axes that split the batch (None or absent: none).
+        expert_params: names of this rank's expert parameters (they differ between ep ranks).
+        zero_stage, bucket_mb, engine_options: each stage's `make_engine(...)`.
+        in_spec, out_spec: pytree specs of the model's inputs (args, kwargs) and outputs.
+        sync_init: start the ranks equal: every stage broadcast from dp index 0 (and, with ep,
+            the parameters other than `expert_params` from ep index 0).
+        pp_axis, n_stages, schedule, n_microbatches, tied: the pipeline: its axis, the stages in
+            the whole pipeline (pp size x stages per rank), a `runtime.schedules` name
+            ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"), the default micro-batch count
+            of `step`, and groups ((stage_a, name_a), (stage_b, name_b), ...) of one weight held
+            on several stages.
+    """
+
+    def __init__(self, stages: nn.Module | Mapping[int, nn.Module], mesh: Mesh, *, dp_axis: str | None = "dp",
+                 cp_axis: str | None = None, ep_axis: str | None = None, expert_params: Sequence[str] = (),
+                 zero_stage: int = 0, bucket_mb: float = 25.0, engine_options: dict | None = None,
+                 in_spec=None, out_spec=None, sync_init: bool = True, pp_axis: str = "pp", n_stages: int = 1,
+                 schedule: str = "1f1b", n_microbatches: int = 1, tied: Sequence[TiedPair] = ()):
         super().__init__()
-        self.module = module
-        self.mesh = mesh
+        stages = {0: stages} if isinstance(stages, nn.Module) else dict(stages)
+        self.mesh, self.pp_axis = mesh, pp_axis
+        self.pp = mesh.size(pp_axis) if pp_axis in mesh.sizes else 1
+        self.n_stages, self.schedule_name, self.n_microbatches = n_stages, schedule, n_microbatches
+        self.n_virtual = max(1, n_stages // self.pp)  # stages per pp rank
         self.batch_axis = dp_axis if dp_axis in mesh.sizes else None  # splits dim 0 of the batch
         self.cp_axis = cp_axis if cp_axis and mesh.size(cp_axis) > 1 else None  # splits dim 1: the sequence
         # the ranks that hold the same parameters and different data: gradients, the loss and
         # ZeRO's shards are over all of them (dp and cp joined: runtime.mesh.Mesh.parts)
         self.dp_axis = data_axis(mesh, self.batch_axis, self.cp_axis)
         self.dp = mesh.size(self.dp_axis) if self.dp_axis else 1
+        self.ep_axis = ep_axis if ep_axis in mesh.sizes and mesh.size(ep_axis) > 1 else None
+        self.ep = mesh.size(self.ep_axis) if self.ep_axis else 1
         self.in_spec, self.out_spec = in_spec, out_spec
+        self.tied = [tuple(map(tuple, p)) for p in tied]
         C.set_active_mesh(mesh)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pp_rank = mesh.coords(rank)[pp_axis] if self.pp > 1 else 0
+        self.stage_to_rank = self._placement(stages)
+        self.stages = nn.ModuleDict({str(s): stages[s] for s in sorted(stages)})
         if sync_init and self.dp > 1 and dist.is_initialized():
-            broadcast_module(module, self.dp_axis)
-        self.engine = make_engine(module, mesh, self.dp_axis, zero_stage, bucket_mb, **(engine_options or {}))
-        others = [a for a, n in mesh.sizes.items() if n > 1 and a not in mesh.parts(self.dp_axis)] if self.dp_axis \
-            else [a for a, n in mesh.sizes.items() if n > 1]
-        if self.engine.scaler is not None and others:
-            # fp16 loss scaling with tp / ep shards: the inf/NaN verdict agreed over every axis,
-            # not the data axis only, or a tp rank whose shard overflowed would skip alone and drift
-            LossScaleGroup(self.engine.scaler, [a for a, n in mesh.sizes.items() if n > 1], mesh.device).add(
-                self.engine, scales_outputs=True)
+            for m in self.stages.values():
+                broadcast_module(m, self.dp_axis)
+        opts = dict(engine_options or {})
+        if self.ep_axis:
+            self._sync_ep(expert_params, sync_init)
+            mp = {k: tuple(v) for k, v in (opts.get("model_parallel") or {}).items()}
+            for name in expert_params:  # each ep rank holds other experts: a norm counts them all once
+                mp[name] = tuple(sorted(set(mp.get(name, ())) | {self.ep_axis}))
+            opts["model_parallel"] = mp
+        engines = {s: make_engine(stages[s], mesh, self.dp_axis, zero_stage, bucket_mb, **opts) for s in sorted(stages)}
+        data = set(mesh.parts(self.dp_axis)) if self.dp_axis else set()
+        live = [a for a, n in mesh.sizes.items() if n > 1]
+        scalers = [e.scaler for e in engines.values() if e.scaler is not None]
+        if scalers and [a for a in live if a not in data]:
+            # fp16 loss scaling beside tp / ep / pp: one scale, applied by the last stage, the
+            # inf/NaN verdict agreed over every axis (a rank whose shard overflowed never skips alone)
+            group = LossScaleGroup(scalers[0], live, mesh.device)
+            for s in sorted(engines):
+                group.add(engines[s], scales_outputs=s == n_stages - 1)
+        self.engine = engines[0] if self.pp == 1 else PipelineEngines(engines, mesh, pp_axis, self.dp_axis, self.tied)
+        self._executors: dict[int, PipelineExecutor] = {}
         self.steps_run = 0  # training steps so far: failure messages name the step
         self.rng = RNGTracker.for_mesh(mesh, self.dp_axis)  # dropout masks: runtime/rng.py
 
-    # --- forward ---------------------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any):
-        C.set_active_mesh(self.mesh)
+    @property
+    def module(self) -> nn.Module:
+        """The stage module of a one-stage program (the rewritten graph); with several stages,
+        the ModuleDict of this rank's stages keyed by stage index."""
+        return self.stages["0"] if self.pp == 1 else self.stages
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes whose ranks see different rows of the batch: the loss is averaged over them."""
+        return tuple(a for a in (self.dp_axis, self.ep_axis) if a)
+
+    # --- set-up ---------------------------------------------------------------------------
+    def _placement(self, stages: Mapping[int, nn.Module]) -> list[int]:
+        if self.pp == 1:
+            if sorted(stages) != [0] or self.n_stages != 1:
+                raise ValueError(f"a program without a pipeline axis (no {self.pp_axis!r} of size > 1 in {self.mesh}) "
+                                 f"runs one stage; got stages {sorted(stages)} of {self.n_stages}")
+            return [0]
+        if self.n_stages % self.pp:
+            raise ValueError(f"{self.n_stages} stages do not spread evenly over {self.pp_axis}={self.pp} ranks; "
+                             f"use a multiple of {self.pp} stages")
+        placement = self._schedule(self.pp)  # where stages sit does not depend on the micro-batch count
+        mine = placement.stages_of(self.pp_rank)
+        if sorted(stages) != mine:
+            raise ValueError(f"pp rank {self.pp_rank} holds stages {mine} under schedule {self.schedule_name!r} with "
+                             f"{self.n_stages} stages, but modules were given for {sorted(stages)}")
+        return list(placement.stage_to_rank)
+
+    def _sync_ep(self, expert_params: Sequence[str], sync_init: bool) -> None:
+        """Start the parameters the ep ranks share equal (from ep index 0); the experts differ."""
+        if not (sync_init and dist.is_initialized()):
+            return
+        skip = set(expert_params)
+        with torch.no_grad():
+            for m in self.stages.values():
+                for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+                    if name not in skip:
+                        C.broadcast_(t.data, self.ep_axis, 0)
+
+    def _schedule(self, m: int) -> Schedule:
+        sch = make_schedule(self.schedule_name, self.pp, m, self.n_virtual if self.n_virtual > 1 else None)
+        if sch.n_stages != self.n_stages:
+            raise ValueError(f"schedule {self.schedule_name!r} on {self.pp} ranks runs {sch.n_stages} stages, but the "
+                             f"pipeline was cut into {self.n_stages}; cut it into {sch.n_stages} stages")
+        return sch
+
+    def _executor(self, m: int) -> PipelineExecutor:
+        ex = self._executors.get(m)
+        if ex is None:
+            mods = {int(s): mod for s, mod in self.stages.items()}
+            ex = PipelineExecutor(mods, self._schedule(m), self.mesh, _no_loss, axis=self.pp_axis,
+                                  engines=self.engine.engines, tied=self.tied)
+            self._executors[m] = ex
+        return ex
+
+    # --- inputs and outputs --------------------------------------------------------------
+    def _flat_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list:
         if self.in_spec is not None:
-            flat, spec = pytree.tree_flatten((args, kwargs))
+            flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
             if spec != self.in_spec:
                 raise ValueError(f"inputs do not match the captured structure: got {spec}, captured {self.in_spec}")
         else:
+            if kwargs:
+                raise ValueError("this program was built without an input spec; pass inputs positionally")
             flat = list(args)
         flat = self.mesh.to_device(flat)  # a CPU batch reaches a GPU program
-        with self.rng.fork(self.training):  # dropout / batch norm follow pm.train() / pm.eval()
-            out = self.module(*flat)
-        if self.out_spec is not None:
-            out = pytree.tree_unflatten(list(out), self.out_spec)
-        return out
+        if self.pp > 1:
+            bad = [type(x).__name__ for x in flat if not (x is None or isinstance(x, torch.Tensor))]
+            if bad:  # None (an optional input left out, e.g. an attention mask) reaches stage 0 as None
+                raise ValueError(f"pipeline inputs must be tensors or None (they travel to stage 0 as "
+                                 f"micro-batches); got {bad}")
+        return flat
 
-    # --- training step ---------------------------------------------------------------------
+    def _unflatten(self, out):
+        if self.out_spec is not None:
+            return pytree.tree_unflatten([out] if isinstance(out, torch.Tensor) else list(out), self.out_spec)
+        if self.pp == 1 or isinstance(out, torch.Tensor):
+            return out
+        out = list(out)
+        return out[0] if len(out) == 1 else tuple(out)
+
     def local_batch(self, batch: Any) -> Any:
-        """This rank's part of a global batch: dim 0 of every tensor split over the dp axis,
-        and under context parallelism dim 1 (the sequence) over the cp axis, in zigzag chunks;
-        on the mesh's device."""
+        """This rank's part of a global batch, on the mesh's device: under context parallelism
+        dim 1 (the sequence) split over cp in zigzag chunks, then dim 0 of every tensor split
+        over dp, then over ep."""
         batch = self.mesh.to_device(batch)
         if self.cp_axis:
             seq = [t.shape[1] for t in pytree.tree_leaves(batch[0] if isinstance(batch, tuple) else batch)
@@ -91,23 +231,25 @@ class Program(nn.Module):
             if seq:
                 batch = shard_sequence(batch, self.cp_axis, seq[0])
         dp = self.mesh.size(self.batch_axis) if self.batch_axis else 1
-        if dp == 1:
-            return batch
-        idx = self.mesh.local_rank(self.batch_axis)
+        for axis, n in ((self.batch_axis, dp), (self.ep_axis, self.ep)):
+            if n > 1:
+                batch = pytree.tree_map(lambda t, axis=axis, n=n: self._piece(t, axis, n, dp), batch)
+        return batch
 
-        def take(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return t
-            n = t.shape[0]
-            if n % dp:
-                raise ValueError(f"the global batch has {n} rows, which does not divide by "
-                                 f"{self.batch_axis}={dp}; use a batch size that is a multiple of {dp}")
-            k = n // dp
-            return t[idx * k:(idx + 1) * k]
+    def _piece(self, t: Any, axis: str, n: int, dp: int) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if t.shape[0] % n:
+            whole = "global batch" if axis == self.batch_axis or dp == 1 else "data-parallel piece of the batch"
+            raise ValueError(f"the {whole} has {t.shape[0]} rows, which does not divide by {axis}={n}; use a "
+                             f"global batch that is a multiple of {dp * self.ep}"
+                             + (" (dp x ep)" if self.ep > 1 else ""))
+        k = t.shape[0] // n
+        idx = self.mesh.local_rank(axis)
+        return t[idx * k:(idx + 1) * k]
 
-        return pytree.tree_map(take, batch)
-
-    def step(self, batch: Sequence[Any], loss_fn: Callable, n_microbatches: int = 1) -> torch.Tensor:
+    # --- training step ---------------------------------------------------------------------
+    def step(self, batch: Sequence[Any], loss_fn: Callable, n_microbatches: int | None = None) -> torch.Tensor:
         """Forward and backward of one global batch `(inputs, targets)`; returns its loss.
 
         `inputs` is a tensor, a tuple of the model's positional inputs or a dict of its keyword
@@ -115,62 +257,115 @@ class Program(nn.Module):
         `loss_fn(output, targets)`. Gradients are left reduced (and sharded, under ZeRO) for
         the optimizer's `step()`.
         """
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError("model.step takes batch=(inputs, targets): inputs a tensor or tuple of "
-                             f"the model's inputs, targets what loss_fn needs; got {type(batch).__name__}"
-                             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
-        if n_microbatches < 1:
-            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        _check_pair(batch, "model.step")
+        m = n_microbatches or self.n_microbatches
+        if m < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {m}")
+        C.set_active_mesh(self.mesh)
         inputs, targets = self.local_batch(tuple(batch))
         keyword = isinstance(inputs, Mapping)  # model(**inputs)
         if not keyword and not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
-        micro = _split_micro((dict(inputs) if keyword else tuple(inputs), targets), n_microbatches)
         self.steps_run += 1
         with where(f"step {self.steps_run}"), self.rng.fork(self.training):
-            total = None
-            loss_work = None
-            for i, (mb_in, mb_tgt) in enumerate(micro):
-                last = i == len(micro) - 1
-                with where(f"micro-batch {i + 1}/{len(micro)} forward"):
-                    out = self(**mb_in) if keyword else self(*mb_in)
-                    loss = check_loss(loss_fn(out, mb_tgt))
-                scaled = loss / len(micro)
-                total = scaled.detach() if total is None else total + scaled.detach()
-                if last and self.dp > 1:
-                    # average the reported loss over dp while backward runs (issued before any
-                    # gradient bucket, so every rank sees the same collective order)
-                    total = total.clone()
-                    C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
-                    loss_work = issue("loss all_reduce", dist.all_reduce, total, op=dist.ReduceOp.AVG,
-                                      group=self.mesh.group(self.dp_axis), async_op=True, axis=self.dp_axis)
-                with where(f"micro-batch {i + 1}/{len(micro)} backward"):
-                    if last:
+            if self.pp > 1:
+                flat = self._flat_inputs((), inputs) if keyword else self._flat_inputs(inputs, {})
+                loss, averaged = self._run_schedule(flat, targets, loss_fn, m), ()
+            else:
+                loss, averaged = self._run_micro_batches(inputs, keyword, targets, loss_fn, m)
+        for axis in self.batch_axes:
+            if axis not in averaged and self.mesh.size(axis) > 1:
+                loss = loss.clone()
+                C.COUNTER.record("metric_all_reduce", axis, loss.numel() * loss.element_size())
+                issue("loss all_reduce", dist.all_reduce, loss, op=dist.ReduceOp.AVG, group=self.mesh.group(axis),
+                      axis=axis)
+        return loss
+
+    def _run_micro_batches(self, inputs, keyword: bool, targets, loss_fn: Callable, m: int):
+        """One stage: forward and backward of each micro-batch in turn, the engine's reductions
+        on the last; the reported loss is averaged over dp while that backward runs (issued
+        before any gradient bucket, so every rank sees the same collective order). Returns
+        (loss, the axes it was averaged over)."""
+        micro = _split((dict(inputs) if keyword else tuple(inputs), targets), m, "the local batch")
+        total = loss_work = None
+        for i, (mb_in, mb_tgt) in enumerate(micro):
+            last = i == len(micro) - 1
+            with where(f"micro-batch {i + 1}/{len(micro)} forward"):
+                out = self(**mb_in) if keyword else self(*mb_in)
+                loss = check_loss(loss_fn(out, mb_tgt))
+            scaled = loss / len(micro)
+            total = scaled.detach() if total is None else total + scaled.detach()
+            if last and self.dp > 1:
+                total = total.clone()
+                C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())
+                loss_work = issue("loss all_reduce", dist.all_reduce, total, op=dist.ReduceOp.AVG,
+                                  group=self.mesh.group(self.dp_axis), async_op=True, axis=self.dp_axis)
+            with where(f"micro-batch {i + 1}/{len(micro)} backward"):
+                if last:
+                    scaled.backward()
+                else:
+                    with self.engine.no_sync():
                         scaled.backward()
-                    else:
-                        with self.engine.no_sync():
-                            scaled.backward()
-            with where("gradient reduction"):
-                self.engine.finish_backward()
-                if loss_work is not None:
-                    loss_work.wait()
-        return total
+        with where("gradient reduction"):
+            self.engine.finish_backward()
+            if loss_work is not None:
+                loss_work.wait()
+        return total, (self.dp_axis,) if loss_work is not None else ()
+
+    def _run_schedule(self, flat: list, targets, loss_fn: Callable, m: int) -> torch.Tensor:
+        """Several stages: the pipeline schedule over `m` micro-batches; the mean loss on every pp rank."""
+        ex = self._executor(m)
+        unflatten = self._unflatten
+        ex.loss_fn = lambda out, tgt: loss_fn(unflatten(out), tgt)
+        try:
+            mbs = _split(tuple(flat), m, "the local batch's input") if 0 in ex.modules else None
+            tgts = _split(targets, m, "the local batch's target") if self.n_stages - 1 in ex.modules else None
+            return ex.step(mbs, tgts)
+        finally:
+            ex.loss_fn = _no_loss
+
+    # --- inference -----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any):
+        """The model's output for these inputs. With several stages they run in order (no
+        autograd across stages) and every pp rank returns the output."""
+        C.set_active_mesh(self.mesh)
+        if self.pp == 1:
+            flat = self._flat_inputs(args, kwargs)
+            with self.rng.fork(self.training):  # dropout / batch norm follow pm.train() / pm.eval()
+                return self._unflatten(self.stages["0"](*flat))
+        with torch.no_grad():
+            return self._unflatten(self._forward_stages(args, kwargs))
+
+    def _forward_stages(self, args, kwargs) -> list:
+        me, place = self.pp_rank, self.stage_to_rank
+        vals: list | None = self._flat_inputs(args, kwargs) if place[0] == me else None
+        for s in range(self.n_stages):
+            r = place[s]
+            if s > 0 and place[s - 1] != r:
+                if me == place[s - 1]:
+                    stage_transport.send(self.mesh, self.pp_axis, vals, r)
+                    vals = None
+                elif me == r:
+                    vals = stage_transport.recv(self.mesh, self.pp_axis, place[s - 1])
+            if r == me:
+                with self.rng.fork(self.training):
+                    out = self.stages[str(s)](*vals)
+                vals = [out] if isinstance(out, torch.Tensor) else list(out)
+        last = place[-1]
+        return stage_transport.broadcast(self.mesh, self.pp_axis, vals if me == last else None, last)
 
     @torch.no_grad()
     def evaluate(self, batch: Sequence[Any], loss_fn: Callable) -> torch.Tensor:
         """The loss of one global batch `(inputs, targets)` without gradients, in the
-        program's mode (`pm.eval()` first for evaluation), averaged over the data-parallel
-        ranks as `step` does."""
-        return evaluate(self, batch, loss_fn, self.dp_axis)
+        program's mode (`pm.eval()` first for evaluation), on every rank, averaged over the
+        axes that split the batch as `step` does."""
+        return evaluate(self, batch, loss_fn, *self.batch_axes)
 
 
 def evaluate(program: nn.Module, batch: Sequence[Any], loss_fn: Callable, *axes: str | None) -> torch.Tensor:
     """`loss_fn(program(this rank's inputs), its targets)` under no_grad, averaged over `axes`
-    (the axes that split the batch); shared by every program kind."""
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError("evaluate takes batch=(inputs, targets): inputs a tensor or tuple of the model's "
-                         f"inputs, targets what loss_fn needs; got {type(batch).__name__}"
-                         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+    (the axes that split the batch)."""
+    _check_pair(batch, "evaluate")
     inputs, targets = program.local_batch(tuple(batch))
     with torch.no_grad():
         if isinstance(inputs, Mapping):
@@ -217,13 +412,25 @@ def check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _split_micro(batch, n: int):
-    if n == 1:
-        return [batch]
-    leaves, spec = pytree.tree_flatten(batch)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
-    for s in sizes:
-        if s % n:
-            raise ValueError(f"the local batch has {s} rows, which does not divide into {n} micro-batches")
-    chunks = [t.chunk(n) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * n for t in leaves]
-    return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(n)]
+def _check_pair(batch: Any, what: str) -> None:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(f"{what} takes batch=(inputs, targets): inputs a tensor or tuple of the model's inputs, "
+                         f"targets what loss_fn needs; got {type(batch).__name__}"
+                         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+
+
+def _no_loss(out, target):
+    raise RuntimeError("internal: the pipeline ran without a loss_fn")
+
+
+def _split(x: Any, m: int, what: str) -> list:
+    """`x` (a tensor or a pytree of tensors) as m equal micro-batches along dim 0."""
+    leaves, spec = pytree.tree_flatten(x)
+    if m == 1:
+        return [x]
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % m:
+            raise ValueError(f"{what} has {t.shape[0]} rows, which does not divide into {m} micro-batches; "
+                             f"use a global batch of dp x {m} x k rows")
+    chunks = [t.chunk(m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves]
+    return [pytree.tree_unflatten([c[i] for c in chunks], spec) for i in range(m)]

@@ -30,7 +30,7 @@ from autopar.runtime.launch import WorldError, default_start_method, preload_in_
 FORK_SERVER_MODULES = ("transformers", "transformers.modeling_utils", "networkx", "sympy", "scipy.optimize",
                        "torch.export", "torch.distributed.checkpoint", "autopar.search.planner",
                        "autopar.tools.planning", "autopar.tools.zoo_check", "autopar.search.plan_text",
-                       "autopar.tools.plan_view", "autopar.build.gantt", "autopar.pipeline_build")
+                       "autopar.tools.plan_view", "autopar.build.gantt", "autopar.build.pipeline")
 preload_in_fork_server(*FORK_SERVER_MODULES)
 
 _warmed = False

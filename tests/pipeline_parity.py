@@ -1,4 +1,4 @@
-"""The pipeline parity loop the pipeline tests share: train a PipelineProgram a few steps on one
+"""The pipeline parity loop the pipeline tests share: train a pipeline rank's Program a few steps on one
 batch and compare with one process's losses, first-step gradients and final parameters."""
 from __future__ import annotations
 

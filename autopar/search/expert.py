@@ -13,10 +13,8 @@ ranks of rows received / mean). Time per all-to-all by the alpha-beta model of
 API: `ep_cost(blocks, mesh, ...) -> EPCost`, `rank_ep_degrees(...)` / `search_ep(gm, world, ...)`
 (the ep dimension of the planner: every feasible degree, cheapest first),
 `measured_imbalance(routes)` (the imbalance factor of recorded routes),
-`plan_experts(global_gm, mesh, ...) -> dict` (the `plan.extra["expert"]` entry). The older
-parallelize glue for meshes with ep, `parallelize_experts`, is `autopar/expert_parallelize.py`
-(it builds a program: not the search's job); the public path is
-`autopar.parallelize(model, autopar.mesh(ep=...))`.
+`plan_experts(global_gm, mesh, ...) -> dict` (the `plan.extra["expert"]` entry), which
+`autopar.parallelize(model, autopar.mesh(ep=...))` reads.
 
 Guarantees: `plan_experts` refuses (ValueError) an ep degree that does not divide every
 block's expert count, or an ep axis on a model without MoE blocks.

@@ -99,9 +99,9 @@ DEFAULT_HEADROOM = 0.9  # of the device's memory, as the stage search: workspace
 # otherwise (plans are data: planning beyond the runtime is how large configurations are studied).
 RUNTIME_SUPPORT = {
     "ep": importlib.util.find_spec("autopar.passes.expert") is not None,
-    "recompute_with_pp": True,  # pipeline_build runs the recompute pass stage by stage
+    "recompute_with_pp": True,  # build/program.py runs the recompute pass stage by stage
     "zero_with_tied_pp": True,  # runtime/pipeline_tied.py sums tied gradients on the engines' masters
-    "ep_with_pp": True,  # PipelineProgram splits the batch over dp x ep (tests/dist/test_ep_pipeline.py)
+    "ep_with_pp": True,  # the pipelined Program splits the batch over dp x ep (tests/dist/test_ep_pipeline.py)
     "recompute_with_ep": False,  # api.parallelize: the recompute search finds no block after the expert pass
     # selective checkpoint regions allow one backward; zb_h1 / zbv run input and weight gradients
     # as two (torch: "Trying to backward an extra time ... selective activation checkpoint")

@@ -2,7 +2,7 @@
 
 The plan space and the chain model that prices a plan (segments, their held bytes and working
 sets, the peak and recompute time of a choice) are `search/recompute_chain.py`'s; its public
-names import from here too. `autopar.recompute_plan` checks every answer with an exact walk
+names import from here too. `autopar.build.recompute_plan` checks every answer with an exact walk
 and tightens the model's budget when the walk disagrees.
 
 Two solvers on that model:
@@ -17,7 +17,7 @@ Two solvers on that model:
     bound is the larger of two relaxations' optima (the DP with everything rounded down, and
     the MILP's LP relaxation); the reported gap is between plan and bound.
 
-`ladder` / `ladder_choices`: the fixed order in which `autopar.recompute_plan` recomputes
+`ladder` / `ladder_choices`: the fixed order in which `autopar.build.recompute_plan` recomputes
 saveable nodes by default (greedy by seconds per byte freed, a layer's own checkpointing cost
 charged to its first node; norms, pointwise and attention before any GEMM), so that a
 smaller budget never recomputes less.

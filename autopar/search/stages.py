@@ -29,7 +29,7 @@ A first DP over (stage, last unit) finds the optimal bottleneck T*; a second DP,
 splits whose stages all stay within T*, minimises the sum of T_s^2 (balance), both
 O(S L^2). The chosen split is then dry-run by `cost.schedule.simulate` with the
 per-stage times for the predicted step time and bubble, and its exact per-rank memory is
-taken from the schedule's timeline (autopar/pipeline_build.py then reports `cost.estimate`'s
+taken from the schedule's timeline (autopar/build/pipeline.py then reports `cost.estimate`'s
 walk of the chosen split where it models the schedule: 7 % under to 10 % over it on gpt-tiny).
 Not modelled: workspace and transient peaks inside a layer, recompute (`memory_limit` defaults
 to 90 % of the device for that headroom).

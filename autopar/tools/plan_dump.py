@@ -33,7 +33,7 @@ from autopar.passes.dump import graph_text, write_graph
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import pipeline_units, split_pipeline
-from autopar.pipeline_build import pipeline_shape, write_schedule_svg
+from autopar.build.pipeline import pipeline_shape, write_schedule_svg
 from autopar.tools.planning import PlanResult, _jsonable, rank_graph
 from autopar.tools.plan_view import mesh_text, plan_text
 from autopar.runtime.mesh import Mesh

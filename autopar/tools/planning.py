@@ -260,7 +260,7 @@ def expert_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> No
 
 def stage_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware, memory_limit: float | None = None) -> None:
     """Choose the pipeline split (plan.split_points, plan.extra["pipeline"]) for a pp mesh."""
-    from autopar.pipeline_build import choose_stages
+    from autopar.build.pipeline import choose_stages
 
     if plan.schedule is None:
         plan.schedule = "1f1b"

@@ -27,7 +27,6 @@ import autopar
 from autopar.models import get
 from autopar.runtime import moe
 from autopar.runtime.collectives import COUNTER, set_active_mesh
-from autopar.expert_parallelize import parallelize_experts
 from harness import world
 
 LOSS_ATOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 1e-4
@@ -99,7 +98,7 @@ def _parallel(rank, ws, runs, steps=3):
     for name, mesh_kw, opts in runs:
         model, loss_fn, batch = _build(name)
         x0, _ = batch(BATCH, generator=torch.Generator().manual_seed(1))
-        pm = parallelize_experts(model, autopar.mesh(**mesh_kw), example_inputs=x0, **opts)
+        pm = autopar.parallelize(model, autopar.mesh(**mesh_kw), example_inputs=x0, **opts)
         opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-2)
         g = torch.Generator().manual_seed(1)
         losses, grads, keeps = [], None, []

@@ -23,7 +23,7 @@ import autopar
 from autopar import models
 from autopar.models.gpt import GPT, loss_fn
 from autopar.passes.plan import Plan
-from autopar.pipeline_build import build_pipeline
+from autopar.build.program import build_program
 from autopar.runtime.mesh import make_mesh
 from harness import world
 from pipeline_parity import reference_run, train_and_compare
@@ -54,7 +54,7 @@ def _rank(rank, ws):
         gm = copy.deepcopy(_GRAPH)
     plan = Plan(mesh={"pp": 2}, dp_axis=None, schedule="interleaved_1f1b", n_microbatches=M)
     plan.extra["pp_virtual"] = V
-    program, _graphs, _records = build_pipeline(gm, gm, plan, mesh)
+    program, _graphs, _records = build_program(gm, gm, plan, mesh)
     idx, tgt = _data(M * MB)
     ref_losses, ref_grads, ref_params = _reference(idx, tgt)
     opt = program.engine.make_optimizer(torch.optim.AdamW, **ADAMW)

@@ -17,7 +17,7 @@ is the same memory, so the offloaded bytes are added (`memory["offloaded"]`, not
 device peak). For the plans made for this CPU mesh (every strategy but tp, planned for
 h100-sxm, and pp) `plan.predicted["peak_bytes"]` is that estimate: asserted equal.
 On the pipeline, `plan.predicted["peak_bytes_per_pp_rank"]` is that estimate too (asserted
-equal): after the stage search chooses the split, autopar/pipeline_build.py replaces the
+equal): after the stage search chooses the split, autopar/build/pipeline.py replaces the
 search's own coarser walk with `cost.estimate` of the split (GPipe and 1F1B). The search's walk
 (`plan.extra["pipeline"]["rank_memory_search_bytes"]`, which now counts the held outputs, the
 loss and the gradient buckets) is printed and checked within +-15% (it only chooses the split).

@@ -1,5 +1,5 @@
 """Pipeline parallelism from a captured graph trains exactly like one process: the stage
-search, the split pass and the PipelineProgram (`autopar.pipeline_build.build_pipeline`),
+search, the split pass and the per-rank Program (`autopar.build.program.build_program`),
 for every schedule on 2 and 4 pipeline ranks (up to 8 stages), pp x dp with ZeRO 0, 1 and 3,
 and gpt-tiny-tied with its embedding and head on different stages.
 
@@ -28,7 +28,7 @@ import autopar
 from autopar import models
 from autopar.models.gpt import GPT, loss_fn
 from autopar.passes.plan import Plan
-from autopar.pipeline_build import build_pipeline
+from autopar.build.program import build_program
 from autopar.runtime.collectives import COUNTER
 from autopar.runtime.mesh import make_mesh
 from harness import world
@@ -70,7 +70,7 @@ def _run_case(rank, key, mesh, schedule, m, zero=0, pins=(), infer=False):
         gm = copy.deepcopy(_GRAPHS[key])
     plan = Plan(mesh=dict(mesh.sizes), dp_axis="dp" if dp > 1 else None, zero_stage=zero, schedule=schedule,
                 n_microbatches=m, split_points=list(pins))
-    program, stage_graphs, records = build_pipeline(gm, gm, plan, mesh)
+    program, stage_graphs, records = build_program(gm, gm, plan, mesh)
     idx, tgt = _data(dp * m * MB)
     ref_losses, ref_grads, ref_params = _reference(model, idx, tgt)
     opt = program.engine.make_optimizer(torch.optim.AdamW, **ADAMW)
@@ -108,7 +108,7 @@ def _two_ranks(rank, ws):
     for plan, kw in [(Plan(mesh={"pp": 2}, dp_axis=None, n_microbatches=4), {"memory_limit": 4096}),
                      (Plan(mesh={"pp": 2}, dp_axis=None, n_microbatches=4, split_points=["layers.7"]), {})]:
         try:
-            build_pipeline(gm, gm, plan, mesh, **kw)
+            build_program(gm, gm, plan, mesh, **kw)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))

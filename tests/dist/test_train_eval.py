@@ -1,9 +1,9 @@
-"""pm.train() / pm.eval() switch dropout and batch norm as PyTorch does, in every program kind.
+"""pm.train() / pm.eval() switch dropout and batch norm as PyTorch does, in every form of the program.
 
 Models: a small MLP with BatchNorm1d and Dropout (defined here), and gpt-tiny with dropout 0.1.
-Meshes (2 gloo ranks each, one world): dp=2 (plain Program, batch norm synchronised over dp),
-dp=2 with ZeRO-3, tp=2 (planned for an H100 so that it shards), pp=2 (PipelineProgram).
-The expert program (ExpertProgram, ep=2) on moe-tiny with dropout 0.1 in its attention blocks.
+Meshes (2 gloo ranks each, one world): dp=2 (one stage, batch norm synchronised over dp),
+dp=2 with ZeRO-3, tp=2 (planned for an H100 so that it shards), pp=2 (a pipeline rank's stages).
+The program with experts (ep=2) on moe-tiny with dropout 0.1 in its attention blocks.
 
 Checks, per mesh:
   * eval outputs (`pm(x)` under no_grad after `pm.eval()`) and `pm.evaluate(batch, loss_fn)`
@@ -101,7 +101,7 @@ def _run(rank, ws):
                 t1, t2 = pm(x), pm(x)
             res.append(dict(tag=f"{name} {mesh_kw} {opts}", out=out1, again=out2, ref_out=ref_out, loss=loss,
                             ref_loss=ref_loss, before=before, after=after, train_differs=not torch.equal(t1, t2),
-                            kind=type(pm.program).__name__))
+                            kind=(type(pm.program).__name__, pm.program.pp)))
         # train after eval, with parity: batch norm only (dropout 0)
         model = _net(0.0)
         ref = copy.deepcopy(model)
@@ -159,7 +159,7 @@ def test_eval_matches_one_process_and_train_after_eval_matches_under_dp_zero3_tp
             else:
                 _check_eval(r)
                 kinds.add(r["kind"])
-        assert kinds == {"Program", "PipelineProgram"}, kinds
+        assert kinds == {("Program", 1), ("Program", 2)}, kinds  # pp=1 (one stage) and pp=2: the same program kind
         assert any(r["before"] for r in per_rank if "before" in r), "no batch-norm statistics were checked"
 
 
@@ -181,12 +181,12 @@ def _run_moe(rank, ws):
     pm.train()
     with torch.no_grad():
         differs = not torch.equal(pm(x)[0], pm(x)[0])
-    return type(pm.program).__name__, out, again, ref_out, loss, ref_loss, differs
+    return (type(pm.program).__name__, pm.program.ep), out, again, ref_out, loss, ref_loss, differs
 
 
 def test_expert_program_eval_matches_one_process():
     for kind, out, again, ref_out, loss, ref_loss, differs in world(2, _run_moe):
-        assert kind == "ExpertProgram"
+        assert kind == ("Program", 2)  # the one program kind, its batch split over ep=2
         assert differs, "train mode after eval: dropout is off"
         torch.testing.assert_close(again, out, rtol=0, atol=0)
         torch.testing.assert_close(out, ref_out, rtol=0, atol=OUT_TOL)  # (logits, aux loss)

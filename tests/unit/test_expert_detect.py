@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar import api
+from autopar.build.program import rank_copy
 from autopar.models import get
 from autopar.models.moe import MoEConfig, MoEFeedForward
 from autopar.passes.expert import expert
@@ -188,7 +188,7 @@ def _rewrite_ep1(model, x):
     plan = Plan(mesh={"ep": 1}, dp_axis=None)
     plan.extra["expert"] = plan_experts(gm, mesh)
     set_active_mesh(mesh, rank=0)
-    return PassManager([split_batch, expert]).run(api._fresh(gm), PassContext(plan, {"ep": 1}, {"ep": 0})), gm
+    return PassManager([split_batch, expert]).run(rank_copy(gm), PassContext(plan, {"ep": 1}, {"ep": 0})), gm
 
 
 def _grads(model):
@@ -287,7 +287,7 @@ def test_dense_experts_rewritten_for_ep2_keep_this_ranks_experts_and_reduce_scat
     mesh = Mesh({"ep": 2})
     set_active_mesh(mesh, rank=1)
     try:
-        local = expert(api._fresh(gm), PassContext(plan, {"ep": 2}, {"ep": 1}))
+        local = expert(rank_copy(gm), PassContext(plan, {"ep": 2}, {"ep": 1}))
     finally:
         set_active_mesh(None)
     local.recompile()

@@ -46,9 +46,7 @@ PREFIX_FLOORS = {  # package prefix -> floor
 }
 API_MODULES = {
     "autopar",  # the package's __init__: the public names
-    "autopar.api", "autopar.capture", "autopar.capture_cache", "autopar.input_checks", "autopar.checkpoint_api", "autopar.pipeline_build",
-    "autopar.recompute_plan",
-    "autopar.expert_parallelize",  # the older parallelize glue for ep meshes, until its callers move to parallelize
+    "autopar.api", "autopar.capture", "autopar.capture_cache", "autopar.input_checks", "autopar.checkpoint_api",
 }
 TOOL_MODULES = {
     "autopar.__main__", "autopar.tools.cli", "autopar.tools.demo", "autopar.tools.tune", "autopar.tools.microbench", "autopar.tools.worker",

@@ -41,7 +41,7 @@ from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.recompute import node_keys, observe_cached, recompute
 from autopar.cost.memory import GRAPH_ONLY
-from autopar.recompute_plan import plan_recompute as _plan_recompute
+from autopar.build.recompute_plan import plan_recompute as _plan_recompute
 from autopar.search.recompute import build_chain, solve_dp, solve_milp
 
 from cost_helpers import CPU_FLASH, build as build_named

@@ -16,7 +16,7 @@ import autopar
 from autopar.cost import analyze, estimate
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.passes.plan import Plan
-from autopar.recompute_plan import plan_recompute
+from autopar.build.recompute_plan import plan_recompute
 from autopar.search.recompute import build_chain, ladder, recompute_class
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")

@@ -25,7 +25,7 @@ from autopar.passes import ir
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import compose, pipeline_units, split_pipeline, split_stages
-from autopar.pipeline_build import pipeline_shape, write_schedule_svg, write_stage_graphs
+from autopar.build.pipeline import pipeline_shape, write_schedule_svg, write_stage_graphs
 from autopar.runtime import schedules as sch
 from autopar.search.stages import (Chain, LayerCost, best_split, count_chain, in_flight_per_stage, layer_costs,
                                    n_virtual_for, search_stages)
@@ -296,7 +296,7 @@ def test_pipeline_shape_reads_the_schedule_and_refuses_too_many_split_points():
 def test_schedule_picture_and_stage_dumps_are_written_and_deterministic(tmp_path, tiny):
     gm = tiny[3]
     plan = Plan(mesh={"pp": 2}, dp_axis=None, schedule="1f1b", n_microbatches=4)
-    from autopar.pipeline_build import choose_stages
+    from autopar.build.pipeline import choose_stages
     from autopar.runtime.mesh import Mesh
 
     choose_stages(gm, plan, Mesh({"pp": 2}))

@@ -4,7 +4,7 @@ and the counts its Gaps section states are those of table A.
 
 No process group: the refusals are raised while checking a mesh or a plan against the captured
 graph (`build.plan_check`), while choosing the context-parallel exchange (`search.context`),
-or while building a pipeline rank's program (`runtime.pipeline_program`), all of which run in
+or while building a pipeline rank's program (`runtime.program`), all of which run in
 one process. One cell also goes through `autopar.parallelize` end to end, to show the public
 path refuses where the checker does. Reads no node.meta; writes nothing.
 
@@ -25,7 +25,7 @@ from autopar.models import get
 from autopar.passes.plan import Plan
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import make_mesh
-from autopar.runtime.pipeline_program import PipelineProgram
+from autopar.runtime.program import Program
 from autopar.search.context import plan_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,7 +109,7 @@ def test_ulysses_is_refused_when_the_heads_per_tp_rank_do_not_divide_by_cp_and_r
     assert plan_context(gm, {"tp": 2, "cp": 2}, "ulysses", "h100-sxm")["method"] == "ulysses"
 
 
-# --- pp x fp16-mixed (runtime/pipeline_program.py) ----------------------------------------------
+# --- pp x fp16-mixed (runtime/program.py) -------------------------------------------------------
 # pp x tied weights x ZeRO 1-3 and x bf16-mixed train now (tests/dist/test_pipeline_compose.py);
 # fp16 with a loss scale builds under a pipeline, tied or not: one scaler, applied by the last stage
 FP16_CELLS = [  # (matrix cell, tied entries, engine options)
@@ -119,11 +119,11 @@ FP16_CELLS = [  # (matrix cell, tied entries, engine options)
 ]
 
 
-def _pipeline_rank0(zero_stage: int, options: dict, tied=(((0, "weight"), (1, "weight")),)) -> PipelineProgram:
+def _pipeline_rank0(zero_stage: int, options: dict, tied=(((0, "weight"), (1, "weight")),)) -> Program:
     """Rank 0 of a 2-rank 1F1B pipeline whose weight `weight` is tied to stage 1's."""
     try:
-        return PipelineProgram({0: nn.Linear(4, 4)}, make_mesh(pp=2), n_stages=2, schedule="1f1b", dp_axis=None,
-                               zero_stage=zero_stage, tied=list(tied), sync_init=False, engine_options=options)
+        return Program({0: nn.Linear(4, 4)}, make_mesh(pp=2), n_stages=2, schedule="1f1b", dp_axis=None,
+                       zero_stage=zero_stage, tied=list(tied), sync_init=False, engine_options=options)
     finally:
         C.set_active_mesh(None)
 

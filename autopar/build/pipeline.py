@@ -1,7 +1,7 @@
-"""Pipeline parallelism end to end: choose the stages, cut the graph, build the program.
+"""Pipeline stages: choose them, cut the graph into them, draw the schedule.
 
-`build_pipeline(global_gm, local_gm, plan, mesh)` is what `autopar.parallelize` calls when
-the mesh has a pp axis larger than one:
+`cut_pipeline(global_gm, local_gm, plan, mesh)` is what `autopar.build.program.build_program`
+calls when the mesh has a pp axis larger than one:
 
   1. the schedule: `plan.schedule` (default "1f1b"), with its stages per rank (2 for "zbv";
      for "interleaved_1f1b" `plan.extra["pp_virtual"]`, default 2, or what complete split
@@ -10,16 +10,18 @@ the mesh has a pp axis larger than one:
      per micro-batch on the plan's hardware, with `plan.split_points` as pins (all of them:
      the user's split is only evaluated, not checked against memory). It fills
      `plan.split_points`, a note, and `plan.extra["pipeline"]` (stage times, memory per
-     rank, simulated step time and bubble: what the Gantt chart is drawn from);
+     rank, simulated step time and bubble: what the Gantt chart is drawn from); for GPipe and
+     1F1B the per-rank memory is then `cost.estimate`'s walk of the chosen split;
   3. the cut: the `split_pipeline` pass on this rank's graph, through a PassManager (timed,
-     verified, dumped with `AUTOPAR_DUMP`);
-  4. the program: `runtime.pipeline_program.PipelineProgram` over this rank's stages, one
-     ZeRO engine per stage, tied weights from the cut. With an ep axis the graph it cuts has
-     been through the expert pass already (`passes/expert.py`, on the whole per-rank graph:
-     dispatch, combine, router statistics averaged over dp and ep, gradient scaling of the
-     parameter reads), so each stage's MoE blocks hold this rank's experts and their
-     all-to-alls run over the stage's ep group; the program is told the ep axis and the
-     stage's expert parameters (`gm.meta["autopar_expert"]`) to cut the batch over ep.
+     verified, dumped with `AUTOPAR_DUMP`). With an ep axis the graph it cuts has been through
+     the expert pass already (`passes/expert.py`, on the whole per-rank graph: dispatch,
+     combine, router statistics averaged over dp and ep, gradient scaling of the parameter
+     reads), so each stage's MoE blocks hold this rank's experts and their all-to-alls run over
+     the stage's ep group; the cut keeps the expert parameter names
+     (`gm.meta["autopar_expert"]`) for the program.
+
+The stages then become parts of the one per-rank `runtime.program.Program`, as a plan without
+pp makes one stage of the whole graph (build/program.py).
 
 Stage graphs of other ranks are returned for dumps with their parameters on the meta
 device, so they hold no memory. `write_schedule_svg(plan, out_dir)` draws the schedule of a
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,10 +49,9 @@ from autopar.passes.pass_manager import PassContext, PassManager, PassRecord
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import PipelineInfo, split_pipeline
 from autopar.runtime.mesh import Mesh, planning_group
-from autopar.runtime.pipeline_program import PipelineProgram
 from autopar.runtime.schedules import SCHEDULES, make_schedule, simulate
 
-__all__ = ["build_pipeline", "pipeline_shape", "write_schedule_svg", "write_stage_graphs"]
+__all__ = ["PipelineCut", "choose_stages", "cut_pipeline", "pipeline_shape", "write_schedule_svg", "write_stage_graphs"]
 
 PP_AXIS = "pp"
 
@@ -164,29 +166,37 @@ def _estimated_rank_memory(gc, plan: Plan, hw: Any, schedule: str) -> None:
         info["rank_memory_source"] = "cost.estimate"
 
 
-def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *,
-                   sync_init: bool = True, hardware: Any = None, memory_limit: float | None = None,
-                   dump_dir: str | None = None, engine_options: dict | None = None
-                   ) -> tuple[PipelineProgram, list[fx.GraphModule], list[PassRecord]]:
-    """The pipeline program of this rank (see the module docstring).
+@dataclass
+class PipelineCut:
+    """This rank's part of a pipeline cut (`cut_pipeline`): the schedule's name, the stages in
+    the whole pipeline, the stage indices this pp rank holds, every stage's graph (other
+    ranks' with meta tensors), the cut's facts (tied weights, boundaries) and the pass records."""
+
+    schedule: str
+    n_stages: int
+    mine: list[int]
+    stage_graphs: list[fx.GraphModule]
+    info: PipelineInfo
+    records: list[PassRecord]
+    expert_params: set[str] = field(default_factory=set)
+
+
+def cut_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *,
+                 hardware: Any = None, memory_limit: float | None = None, dump_dir: str | None = None) -> PipelineCut:
+    """Choose the stages and cut this rank's graph into them (see the module docstring).
 
     Args:
         global_gm: the captured graph at the global batch (what the search costs).
         local_gm: this rank's graph after the data-parallel passes (what is cut).
         plan: the Plan; its mesh has a pp axis. Updated in place (split points, notes, extra).
         mesh: the running Mesh.
-        sync_init: broadcast every stage from dp index 0.
         hardware, memory_limit: for the search (default: the plan's `extra["hardware"]`, else
             "cpu-gloo" on CPU meshes and "h100-sxm" otherwise; 90 % of its device memory).
         dump_dir: dump directory for the split pass (also `AUTOPAR_DUMP`).
-
-    Returns:
-        (program, stage_graphs, records): stage_graphs has every stage (other ranks' on meta),
-        records the split pass's PassRecord.
     """
     name, pp, v = pipeline_shape(plan)
     if pp < 2:
-        raise ValueError(f"build_pipeline needs a mesh with a pp axis of size >= 2, got {plan.mesh}")
+        raise ValueError(f"a pipeline cut needs a mesh with a pp axis of size >= 2, got {plan.mesh}")
     if mesh.size(PP_AXIS) != pp:
         raise ValueError(f"the plan's pp={pp} differs from the mesh's {mesh}")
     if plan.schedule is None:
@@ -201,52 +211,17 @@ def build_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pl
     pm = PassManager([split_pipeline], dump_dir=dump_dir)
     pipe = pm.run(local_gm, ctx, tag=f"rank{rank}_pipeline")
     info: PipelineInfo = pipe.meta["autopar_pipeline"]
-    S = info.n_stages
-    stage_graphs = [getattr(pipe, f"stage{s}") for s in range(S)]
+    stage_graphs = [getattr(pipe, f"stage{s}") for s in range(info.n_stages)]
     placement = make_schedule(name, pp, pp, v if v > 1 else None)
     mine = placement.stages_of(mesh.coords(rank)[PP_AXIS])
-    for s in range(S):
+    for s in range(info.n_stages):
         if s not in mine:
             _to_meta(stage_graphs[s])
-    if any(m != "none" for m in plan.recompute.values()):  # activation recomputation, stage by stage
-        from autopar.passes.recompute import node_keys, recompute  # noqa: PLC0415
-
-        for s in mine:
-            mods = {getattr(n.meta.get("autopar"), "module", "") or "" for n in stage_graphs[s].graph.nodes
-                    if n.op == "call_function"}
-            here = {m: v for m, v in plan.recompute.items()
-                    if v != "none" and any(x == m or x.startswith(m + ".") for x in mods)}
-            if not here:
-                continue
-            # a block the cut splits has part of its save list on another stage: keep this stage's
-            keys = set(node_keys(stage_graphs[s]).values())
-            save = {m: [k for k in v if k in keys] for m, v in (plan.extra.get("recompute_save") or {}).items()
-                    if m in here}
-            sctx = PassContext(plan=plan.pin(recompute=here, extra={**plan.extra, "recompute_save": save}),
-                               mesh_sizes=ctx.mesh_sizes, coords=ctx.coords)
-            rpm = PassManager([recompute], dump_dir=dump_dir)
-            stage_graphs[s] = rpm.run(stage_graphs[s], sctx, tag=f"rank{rank}_stage{s}_recompute")
-            pm.records += rpm.records
-    experts = set((pipe.meta.get("autopar_expert") or {}).get("expert_params", ()))  # the expert pass ran before
-    program = PipelineProgram({s: stage_graphs[s] for s in mine}, mesh, n_stages=S, schedule=name,
-                              n_microbatches=plan.n_microbatches, pp_axis=PP_AXIS, dp_axis=plan.dp_axis,
-                              zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb, tied=info.tied,
-                              in_spec=global_gm.meta.get("autopar_in_spec"),
-                              out_spec=global_gm.meta.get("autopar_out_spec"), sync_init=sync_init,
-                              engine_options=engine_options, ep_axis=_ep_axis(plan, mesh),
-                              expert_params=sorted(n for s in mine for n, _ in stage_graphs[s].named_parameters()
-                                                   if n in experts))
-    program.info = info
     if info.tied:
         plan.notes.append("tied weights across stages (one value, gradients summed): "
                           + ", ".join(" = ".join(f"{n}@stage{st}" for st, n in g) for g in info.tied))
-    return program, stage_graphs, list(pm.records)
-
-
-def _ep_axis(plan: Plan, mesh: Mesh) -> str | None:
-    """The expert-parallel axis the expert pass split the stages' experts over (None: no ep)."""
-    axis = (plan.extra.get("expert") or {}).get("axis", "ep")
-    return axis if mesh.sizes.get(axis, 1) > 1 and plan.extra.get("expert") else None
+    experts = set((pipe.meta.get("autopar_expert") or {}).get("expert_params", ()))  # the expert pass ran before
+    return PipelineCut(name, info.n_stages, list(mine), stage_graphs, info, list(pm.records), experts)
 
 
 def _choose_on_rank0(global_gm, plan: Plan, mesh: Mesh, hardware, memory_limit) -> None:

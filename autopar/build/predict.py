@@ -1,0 +1,59 @@
+"""plan.predicted: what the cost model says the program that runs will cost.
+
+`predict(plan, global_gm, local_gm, hardware)` fills `plan.predicted` from `cost.estimate` for
+the hardware the plan was made for, once the rank's passes have run and the recompute choice is
+made. Sizes are per rank: the global graph with the batch split over dp x micro-batches, or the
+per-rank capture when the batch dim was captured static. The global graph has no tensor-parallel
+collectives: their time, as the sharding search priced it, is added to the step (they block
+the ops that wait for them) and to the communication. A planner's plan keeps its own figures
+and gets the estimate beside them (`plan.predicted["estimate"]`).
+
+`take_pipeline_prediction(plan)` then replaces the one-stage step time and memory by the
+pipeline's own (`plan.extra["pipeline"]`: the simulated schedule and the per-pp-rank peaks,
+build/pipeline.py), when the plan has one.
+
+A prediction failure never stops the build: it is written into plan.predicted["error"].
+Reads no node.meta.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from autopar.passes.plan import Plan
+from autopar.search.shard_search import batch_is_static
+
+__all__ = ["predict", "take_pipeline_prediction"]
+
+
+def predict(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, hardware: Any) -> None:
+    """Fill plan.predicted (see the module docstring)."""
+    from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
+
+    planned = plan.predicted if plan.predicted.get("source") == "planner" else None
+    try:
+        if batch_is_static(global_gm):
+            predicted = cost_estimate(local_gm, plan, hardware).summary()
+        else:
+            predicted = cost_estimate(global_gm, plan, hardware, batch_is_global=True).summary()
+        for axis, info in plan.extra.get("shard", {}).items():
+            t = float(info["comm_s"]) * plan.n_microbatches  # the search prices one micro-batch
+            predicted[f"{axis}_comm_s"] = t
+            for k in ("step_s", "comm_s", "comm_exposed_s"):
+                if k in predicted:
+                    predicted[k] += t
+    except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
+        predicted = {"error": f"{type(e).__name__}: {e}"}
+    plan.predicted = {**planned, "estimate": predicted} if planned is not None else predicted
+
+
+def take_pipeline_prediction(plan: Plan) -> None:
+    """The pipeline's step time and per-rank memory in place of `estimate`'s one-stage figures."""
+    pipe = plan.extra.get("pipeline")
+    if not pipe:
+        return
+    target = plan.predicted["estimate"] if plan.predicted.get("source") == "planner" else plan.predicted
+    target.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
+                  peak_bytes_per_pp_rank=pipe["rank_memory_bytes"], peak_bytes=max(pipe["rank_memory_bytes"]),
+                  peak_bytes_source=pipe.get("rank_memory_source", "stage search"))
