@@ -39,7 +39,8 @@ every backward of a stage except its last one in the step runs in `engine.no_syn
 last one (`B`, or the last `W`) lets the engine's hooks launch their reductions, and
 `finish_backward()` runs once per stage after the schedule. fp16 loss scaling: engines joined
 in a `zero_optim.LossScaleGroup` (as `runtime.program.Program` makes them) scale only at the last
-stage's outputs and settle one agreed overflow verdict in that `finish_backward()`.
+stage (its fp32 loss's backward seeded with the scale, or a 16-bit loss's outputs: zero_optim
+`loss_scale_factor`) and settle one agreed overflow verdict in that `finish_backward()`.
 Tied parameters on different stages (embedding on the first, LM head on the last) are made
 equal at construction and get their gradients summed after every stage's
 `finish_backward()` (runtime/pipeline_tied.py): on the engines' masters where there are
@@ -64,6 +65,7 @@ from .collective_errors import failed, p2p, where
 from .collectives import COUNTER
 from .pipeline_split import WeightGradState, backward_input, backward_weight
 from .pipeline_tied import TiedCopies, TiedPair
+from .zero_optim import loss_scale_factor
 from .schedules import Action, Kind, Schedule, simulate
 
 __all__ = ["PipelineExecutor", "split_microbatches", "backward_input", "backward_weight", "WeightGradState"]
@@ -257,7 +259,9 @@ class PipelineExecutor:
                                  f"{tuple(getattr(loss, 'shape', ()))}")
             self._losses[m] = loss.detach().reshape(())
             self._out[(s, m)] = [loss.reshape(())]
-            self._gout[(s, m)] = [torch.full((), 1.0 / self.schedule.n_microbatches, dtype=loss.dtype,
+            # fp16: the scale seeds an fp32 loss's backward (zero_optim.loss_scale_factor)
+            factor = loss_scale_factor(self.engines.get(s), loss)
+            self._gout[(s, m)] = [torch.full((), factor / self.schedule.n_microbatches, dtype=loss.dtype,
                                              device=loss.device)]
         else:
             outs = _as_tuple(out, f"the output of stage {s}")

@@ -63,7 +63,7 @@ from .rng import RNGTracker
 from .schedules import Schedule, make_schedule
 from .stage_engines import PipelineEngines
 from .zero import broadcast_module, make_engine
-from .zero_optim import LossScaleGroup
+from .zero_optim import LossScaleGroup, loss_scale_factor
 
 __all__ = ["Program", "evaluate", "data_axis", "check_loss"]
 
@@ -295,6 +295,9 @@ class Program(nn.Module):
                 loss = check_loss(loss_fn(out, mb_tgt))
             scaled = loss / len(micro)
             total = scaled.detach() if total is None else total + scaled.detach()
+            factor = loss_scale_factor(self.engine, loss)  # fp16: the scale on the fp32 loss (zero_optim)
+            if factor != 1.0:
+                scaled = scaled * factor
             if last and self.dp > 1:
                 total = total.clone()
                 C.COUNTER.record("metric_all_reduce", self.dp_axis, total.numel() * total.element_size())

@@ -97,6 +97,7 @@ class EngineBase:
         # only the last stage scales its outputs' gradients (the others receive them scaled)
         self.scale_group = None
         self.scales_outputs = True
+        self.loss_scaled = False  # the program multiplied this backward's fp32 loss by the scale (zero_optim)
         self._hooks: list = []
         # id -> (weakref, name, why) of tensors a plain optimizer must not step (zero_plain_optim)
         self.untrained: dict[int, tuple] = {}

@@ -123,7 +123,15 @@ def loss_scale_hooks(engine) -> list:
     scale (`ScaleGrad`, when `engine.scales_outputs`: under a pipeline only the last stage), and a
     refusal of a training forward while the last step's unscaled gradients wait unused (the next
     backward's scaled ones would land on them and be unscaled together). Read at each forward
-    through a weak reference, so a `LossScaleGroup` can swap the scaler in."""
+    through a weak reference, so a `LossScaleGroup` can swap the scaler in.
+
+    Where the scale goes: `runtime.program.Program` multiplies an fp32 (or wider) loss by the
+    scale before its backward, as `torch.amp.GradScaler` does, and sets `engine.loss_scaled`;
+    `ScaleGrad` then passes the outputs' gradient through. Scaling the 16-bit outputs' gradient
+    instead rounds the loss's gradient to 16 bits first: a mean over N tokens makes each logit's
+    gradient ~1/N, which fp16 flushes to zero (131k tokens: 92 % error in the worst tensor, helper-33,
+    2026-11-26). Only a 16-bit loss (whose own gradient, the scale, would overflow fp16) and an
+    engine driven by hand are scaled at the outputs."""
     ref = weakref.ref(engine)
 
     def unconsumed(mod, args, kwargs):
@@ -139,24 +147,40 @@ def loss_scale_hooks(engine) -> list:
         eng = ref()
         if eng is None or eng.scaler is None or not eng.scales_outputs:
             return out
-        return map_tensors(out, lambda t: ScaleGrad.apply(t, eng.scaler) if t.is_floating_point() and t.requires_grad
+        return map_tensors(out, lambda t: ScaleGrad.apply(t, ref) if t.is_floating_point() and t.requires_grad
                            else t)
 
     return [engine.module.register_forward_pre_hook(unconsumed, with_kwargs=True),
             engine.module.register_forward_hook(scale_out)]
 
 
+def loss_scale_factor(engine, loss: torch.Tensor) -> float:
+    """What the program multiplies `loss` by before its backward: the engine's loss scale when
+    the engine has a scaler and the loss is fp32 or wider (`engine.loss_scaled` is then set, so
+    the outputs' `ScaleGrad` passes their gradient through), else 1 (a 16-bit loss: the outputs
+    carry the scale). See `loss_scale_hooks` for why the loss and not the outputs."""
+    if engine is None or getattr(engine, "scaler", None) is None:
+        return 1.0
+    wide = loss.dtype in (torch.float32, torch.float64)
+    engine.loss_scaled = wide
+    return float(engine.scaler.scale) if wide else 1.0
+
+
 class ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by the scaler's current scale."""
+    """Identity forward; multiplies the gradient by the engine's current scale, unless the
+    program scaled the loss itself (`engine.loss_scaled`)."""
 
     @staticmethod
-    def forward(ctx, x, scaler):
-        ctx.scaler = scaler
+    def forward(ctx, x, engine_ref):
+        ctx.engine_ref = engine_ref
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scaler.scale, None
+        eng = ctx.engine_ref()
+        if eng is None or eng.scaler is None or getattr(eng, "loss_scaled", False):
+            return grad, None
+        return grad * eng.scaler.scale, None
 
 
 def unscale_and_check(grads: list[torch.Tensor], scale: float) -> bool:

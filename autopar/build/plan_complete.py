@@ -3,15 +3,17 @@
 `complete_plan(plan, global_gm, local_gm, mesh, ...)` fills what a plan leaves open once its mesh
 is fixed (a default plan, a pinned one, or the joint planner's), in this order:
 
-  * context parallelism (a cp axis): the attention exchange, ring or Ulysses
-    (`search.context.plan_context`, `plan.extra["context"]`);
-  * tensor parallelism: the sharding search (`search.shard_search.search_sharding`: parameter and
-    node layouts, sequence parallelism; rank 0 searches and every rank takes its answer);
   * refusals a plan cannot run with: recompute under expert parallelism, recompute under the
     zero-bubble schedules (ValueErrors that say what to do instead);
-  * experts: with ep, `search.expert.plan_experts` (`plan.extra["expert"]`) and the grouped
-    experts' ep layouts; without ep, an MoE model's router statistics averaged over the axes
-    that split its tokens (`plan.extra["router_stats"]`);
+  * context parallelism (a cp axis): the attention exchange, ring or Ulysses
+    (`search.context.plan_context`, `plan.extra["context"]`);
+  * experts (an ep axis): `search.expert.plan_experts` (`plan.extra["expert"]`), before the tp
+    search, which then keeps each MoE block's routed nodes replicated on tp
+    (`expert_node_pins`: the expert pass needs them whole);
+  * tensor parallelism: the sharding search (`search.shard_search.search_sharding`: parameter and
+    node layouts, sequence parallelism; rank 0 searches and every rank takes its answer);
+  * with ep, the grouped experts' ep layouts; without ep, an MoE model's router statistics
+    averaged over the axes that split its tokens (`plan.extra["router_stats"]`);
   * fusions: checked when pinned, else searched (`search.fusion.search_fusions`);
   * the axis notes of `build.plan_check.axis_notes`.
 
@@ -33,7 +35,7 @@ from autopar.search.context import plan_context
 from autopar.search.fusion import search_fusions
 from autopar.search.shard_search import batch_is_static, search_sharding
 
-__all__ = ["complete_plan", "grouped_expert_layouts", "router_stats_without_ep"]
+__all__ = ["complete_plan", "expert_node_pins", "grouped_expert_layouts", "router_stats_without_ep"]
 
 
 def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, mesh: Mesh, *, hardware: Any,
@@ -42,10 +44,6 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
     """Fill `plan` in place for `mesh` (see the module docstring). `local_gm` is this rank's copy
     of the graph (the fusion search reads it when the batch was captured static)."""
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
-    if mesh.size("cp") > 1 and "context" not in plan.extra:
-        plan.extra["context"] = plan_context(global_gm, dict(mesh.sizes), context_method, hardware)
-        plan.notes += plan.extra["context"]["notes"]
-    search_sharding(plan, global_gm, mesh, hardware, group=planning_group())
     if mesh.size("ep") > 1 and (memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
         raise ValueError(f"activation recomputation with expert parallelism (ep={mesh.size('ep')}) is not wired yet: "
                          "after the expert pass the blocks hold the token dispatch, and the recompute search finds no "
@@ -56,12 +54,16 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
         raise ValueError(f"activation recomputation with the {plan.schedule!r} schedule does not run yet: it computes "
                          "input and weight gradients in two backward passes, and a checkpointed region allows one; "
                          "use schedule '1f1b' or 'interleaved_1f1b' with memory_budget, or drop memory_budget")
+    if mesh.size("cp") > 1 and "context" not in plan.extra:
+        plan.extra["context"] = plan_context(global_gm, dict(mesh.sizes), context_method, hardware)
+        plan.notes += plan.extra["context"]["notes"]
     if mesh.size("ep") > 1 and "expert" not in plan.extra:
         from autopar.search.expert import plan_experts  # noqa: PLC0415
 
         plan.extra["expert"] = plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches,
                                             hardware=hardware)
         plan.notes += plan.extra["expert"]["notes"]
+    search_sharding(plan, global_gm, mesh, hardware, group=planning_group(), node_pins=expert_node_pins(plan, mesh))
     if mesh.size("ep") > 1:
         grouped_expert_layouts(plan, mesh)
     else:
@@ -75,6 +77,19 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
         search_fusions(plan, local_gm if static else global_gm, hardware,
                         1 if static else dp * plan.n_microbatches)
     plan.notes += [n for n in axis_notes(plan) if n not in plan.notes]
+
+
+def expert_node_pins(plan: Plan, mesh: Mesh) -> dict[str, dict[str, Any]] | None:
+    """{"tp": {node key: Replicate()}} for the nodes the expert pass needs whole on tp (each MoE
+    block's tokens, routing table, entry and gathered nodes), so the tp search never shards them
+    (it may otherwise choose sequence parallelism there, which the expert pass refuses: moe-tiny
+    at 256 tokens on tp2 x ep2, CPU profile). None without both ep and tp, or without experts."""
+    if mesh.size("ep") < 2 or mesh.size("tp") < 2 or not plan.extra.get("expert"):
+        return None
+    keys = set()
+    for b in plan.extra["expert"].get("blocks", {}).values():
+        keys.update([b["tokens"], b["expert_index"], *b.get("entries", []), *(d["node"] for d in b.get("gathers", []))])
+    return {"tp": {k: Replicate() for k in keys}} if keys else None
 
 
 def router_stats_without_ep(plan, global_gm, mesh) -> None:

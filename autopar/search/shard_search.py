@@ -51,12 +51,14 @@ def micro_sizes(gm: fx.GraphModule, plan: Plan, mesh) -> dict[str, int] | None:
     return {"b": max(1, rows // per)} if per > 1 else None
 
 
-def search_sharding(plan: Plan, gm: fx.GraphModule, mesh, hardware: str | Hardware, group=None) -> None:
+def search_sharding(plan: Plan, gm: fx.GraphModule, mesh, hardware: str | Hardware, group=None,
+                    node_pins: dict | None = None) -> None:
     """Solve the sharding ILP for every sharding axis the plan does not already fix; rank 0
     solves and the others receive its answer, so every rank carries out the same plan. A graph
     captured with a dynamic batch is solved at one rank's micro-batch (the global batch over
     dp x ep x micro-batches): the size the strategies run at. `group`: the (host) group the
-    answer is broadcast on; None: the default group."""
+    answer is broadcast on; None: the default group. `node_pins`: {axis: {node key: placement}}
+    fixed for that axis's search (e.g. the nodes the expert pass needs replicated on tp)."""
     from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415 - scipy's MILP: imported when a tp axis needs it
 
     for axis in SHARD_AXES:
@@ -68,7 +70,7 @@ def search_sharding(plan: Plan, gm: fx.GraphModule, mesh, hardware: str | Hardwa
             pins = {name: lay[axis] for name, lay in plan.param_layouts.items() if axis in dict(lay.axes)}
             try:
                 sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins,
-                                     sizes=micro_sizes(gm, plan, mesh))
+                                     node_pins=(node_pins or {}).get(axis), sizes=micro_sizes(gm, plan, mesh))
                 result = {"strategies": sol.strategies(), "params": {n: str(p) for n, p in sol.param_placements().items()},
                           "notes": [sol.summary()] + shard_notes(sol),
                           "layouts": {sol.keys[n]: str(s.out) for n, s in sol.chosen.items()

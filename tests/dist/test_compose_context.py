@@ -10,7 +10,9 @@ world:
   * Ulysses x recompute (dp2 x cp2, `memory_budget=0`);
   * and, beside them, tp x ep through `parallelize` (moe-tiny, tp2 x ep2, planned for h100-sxm,
     with its load-balancing loss on): the matrix's tp x ep cell was shown only through the
-    older entry `parallelize_experts`.
+    older entry `parallelize_experts`; and tp2 x ep2 on the CPU profile at 256 tokens (4
+    sequences of 64), where the tp search used to put the MoE blocks' tokens at S(1) and the
+    expert pass refused with a PassError.
 
 Every cell: the model in float64, three AdamW steps at lr 1e-2 on the same batches as one
 process; every step's loss (compared in float64) and every exported parameter
@@ -35,14 +37,30 @@ H100 = {"hardware": "h100-sxm"}
 # is an fp32 value: one fp32 ulp at 4.9 is 4.8e-7 (measured off by 3.7e-9); its parameters
 # still agree within 1e-9
 MOE_LOSS_TOL = 1e-6
+# moe-tiny with 64-token sequences: 4 of them (256 tokens) are where the CPU profile's tp search
+# picks sequence parallelism on gpt (tests/dist/test_compose_sp_mp.py); one config object so the
+# ranks reuse the parent's capture
+SHAPES = {"moe-64": (4, 64)}
+
+
+def _moe_64():
+    import dataclasses
+
+    from autopar.models import MoEConfig
+
+    return dataclasses.replace(MoEConfig.tiny(), max_seq_len=64)
+
+
+MOE_64 = _moe_64()
 
 
 def _build(name):
     torch.manual_seed(0)
-    if name == "moe":
+    if name in ("moe", "moe-64"):
         from autopar.models import MoE, MoEConfig
 
-        return MoE(MoEConfig.tiny()).double()
+        cfg = MoEConfig.tiny() if name == "moe" else MOE_64
+        return MoE(cfg).double()
     from autopar.models.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig.tiny()).double()
@@ -53,13 +71,14 @@ def _loss(out, y):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)) + aux
 
 
-def _batches():
-    return token_batches(STEPS, BATCH, SEQ)
+def _batches(name="gpt"):
+    batch, seq = SHAPES.get(name, (BATCH, SEQ))
+    return token_batches(STEPS, batch, seq)
 
 
 @functools.cache  # one per model, shared by its cells (the tests only read it)
 def _reference(name):
-    losses, model = adamw_steps(_build(name), _batches(), _loss, lr=LR)
+    losses, model = adamw_steps(_build(name), _batches(name), _loss, lr=LR)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -69,6 +88,9 @@ CELLS = [  # (cell, model, mesh, parallelize keywords, what the program must hol
     ("ulysses x rc", "gpt", dict(dp=2, cp=2), dict(context_method="ulysses", memory_budget=0.0),
      ["ulysses", "region"]),
     ("tp x ep (parallelize, aux loss on)", "moe", dict(tp=2, ep=2), dict(**H100), ["tp", "dispatch"]),
+    # the setting that failed with a PassError before the tp search kept the MoE blocks' routed
+    # nodes replicated (build/plan_complete.py expert_node_pins): the search put their tokens at S(1)
+    ("tp x ep at 256 tokens, cpu-gloo profile", "moe-64", dict(tp=2, ep=2), {}, ["dispatch"]),
 ]
 
 
@@ -83,7 +105,7 @@ def _holds(pm) -> dict:
 def _cells(rank, ws, tmp):
     out = {}
     for i, (cell, name, mesh_kw, kw, _holds_names) in enumerate(CELLS):
-        batches = _batches()
+        batches = _batches(name)
         try:
             pm = autopar.parallelize(_build(name), autopar.mesh(**mesh_kw), example_inputs=(batches[0][0],), **kw)
         except ValueError as e:  # reported per cell, so that one refusal does not hide the others
@@ -107,7 +129,7 @@ def _cells(rank, ws, tmp):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     for name, cp in sorted({(c[1], "cp" in c[2]) for c in CELLS}):  # the forked ranks find these in the memo
-        capture_before_fork(_build(name), (_batches()[0][0],), cp=cp)
+        capture_before_fork(_build(name), (_batches(name)[0][0],), cp=cp)
     return world(4, _cells, str(tmp_path_factory.mktemp("compose_context")), timeout_s=600)
 
 
@@ -117,7 +139,7 @@ def test_context_cell_matches_one_process_after_three_adamw_steps(results, cell)
     got = [r[cell] for r in results]
     assert not isinstance(got[0], str), f"{cell}: {got[0]}"
     ref_losses, ref_params = _reference(name)
-    loss_tol = MOE_LOSS_TOL if name == "moe" else TOL
+    loss_tol = MOE_LOSS_TOL if name.startswith("moe") else TOL
     for rank, (losses, _sd, have) in enumerate(got):
         missing = [h for h in holds if not have[h]]
         assert not missing, f"{cell} rank {rank}: the program lacks {missing}: {have}"

@@ -9,8 +9,8 @@ Two worlds (forked, ~0.1 s each):
   offload under ZeRO 1 and 3; pure "bf16" (a bf16 model with precision="bf16": bf16 parameters,
   gradients, gradient reduction and AdamW states, no masters) under ZeRO 0-3 and with offload
   under ZeRO 2. Recipe per step: each dp half's forward/backward through a 16-bit copy of the
-  masters (fp16: the gradient of the model's 16-bit outputs times the scale S, as the engine
-  applies it (runtime/zero_optim.py `ScaleGrad`), divided out in fp32), the two halves'
+  masters (fp16: the fp32 loss times the scale S before its backward, as the program applies it
+  (runtime/zero_optim.py `loss_scale_factor`), divided out in fp32), the two halves'
   gradients averaged (fp32 for the mixed modes; bf16 for pure bf16, whose (g0 + g1) / 2 of two
   bf16 values rounds once, in either order), AdamW (fp32 on the masters; bf16 on the bf16
   parameters for pure bf16). Both sides run the same 16-bit ops on the same shapes; the
@@ -174,10 +174,8 @@ def _recipe(name, dtype, parts):
         for r in range(parts):
             rows = slice(r * BATCH // parts, (r + 1) * BATCH // parts)
             out = low(x[rows])
-            for t in (out,) if isinstance(out, torch.Tensor) else out:  # the logits (and moe-tiny's aux loss)
-                t.register_hook(lambda g: g * scale)  # the 16-bit outputs' gradient scaled, as the engine does
             loss = _loss(out, y[rows])
-            loss.backward()
+            (loss * scale).backward()  # fp16: the fp32 loss scaled, as the program does (zero_optim.loss_scale_factor)
             step.append(loss.detach().float())
             for m, p in zip(masters.parameters(), low.parameters()):
                 g = p.grad.clone() if pure else p.grad.float() / scale

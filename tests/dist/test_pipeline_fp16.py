@@ -18,8 +18,8 @@ first two steps must be skipped and the scale cut, identically on every rank, un
 
 The one-process recipe per step (`_recipe`): fp32 masters; for each dp half and micro-batch
 (M = 2, each micro-batch i the i-th slice of the half) an fp16 copy of the masters runs forward,
-the loss's backward is seeded with 1/M and the fp16 logits' gradient multiplied by the scale S
-(as the last stage's engine does), the micro-batch gradients accumulate in fp16 (`.grad` of the
+the fp32 loss's backward is seeded with S/M (as the last stage does: runtime/zero_optim.py
+`loss_scale_factor`; the fp16 logits' gradient is not scaled again), the micro-batch gradients accumulate in fp16 (`.grad` of the
 fp16 copy, as the ZeRO-0/1 engines accumulate them), are cast to fp32, averaged over the halves
 and divided by S (powers of two: exact). Any inf/NaN: the step is skipped and S multiplied by
 the backoff (torch.amp.GradScaler's rule); else fp32 AdamW on the masters.
@@ -108,9 +108,8 @@ def _recipe(name="gpt", inject=None):
             for mb in range(M):
                 mrows = slice(mb * xr.shape[0] // M, (mb + 1) * xr.shape[0] // M)
                 out = low(xr[mrows])
-                out.register_hook(lambda g, s=scale: g * s)
                 loss = _loss(out, yr[mrows])
-                loss.backward(torch.full((), 1.0 / M, dtype=loss.dtype))
+                loss.backward(torch.full((), scale / M, dtype=loss.dtype))  # the fp32 loss's seed carries S
                 step_losses.append(loss.detach().float())
             for n, p in low.named_parameters():  # lm_head.weight (tied) adds onto tok_emb.weight
                 grads["tok_emb.weight" if n not in grads else n] += p.grad.float() / DP

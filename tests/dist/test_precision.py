@@ -6,7 +6,8 @@ from the same Plan fields; a pure precision that does not match the model is ref
 The hand-written recipe per step: every rank's half of the batch through a 16-bit copy of the
 fp32 masters (inputs cast to 16 bits, loss on the 16-bit output), its 16-bit gradients cast
 to fp32 and averaged over the two halves (the fp32 gradient reduction), fp32 AdamW on the
-masters. fp16 adds the loss scale S = 2**16 on the output gradient and divides by it in fp32.
+masters. fp16 multiplies the fp32 loss by the scale S = 2**16 before its backward (as
+torch.amp.GradScaler does) and divides the gradients by it in fp32.
 """
 from __future__ import annotations
 
@@ -54,9 +55,8 @@ def _by_hand(dtype: torch.dtype, scale: float = 1.0):
         for r in range(WS):
             rows = slice(r * BATCH // WS, (r + 1) * BATCH // WS)
             out = low(x[rows].to(dtype))
-            out.register_hook(lambda g: g * scale)
             loss = _loss(out, y[rows])
-            loss.backward()
+            (loss * scale).backward()  # fp16: the fp32 loss scaled, as the program does
             halves.append(loss.detach().float())
             for m, p in zip(masters.parameters(), low.parameters()):
                 g = p.grad.float() / scale
