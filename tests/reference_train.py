@@ -27,3 +27,20 @@ def token_batches(steps: int, batch: int, seq: int, *, vocab: int = 128, seed: i
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         out.append((ids[:, :-1], ids[:, 1:]))
     return out
+
+
+def assert_within_move(sd: dict, first: dict, ref: dict, bound: float, cell: str) -> dict[str, float]:
+    """16-bit parity: every tensor of the recipe's final state `ref` is matched in `sd` to within
+    `bound` times the distance the recipe moved it from `first` (its starting value). Prints the
+    median and the worst three shares; returns {name: share}."""
+    assert set(ref) <= set(sd), sorted(set(ref) - set(sd))
+    rel = {}
+    for k, want in ref.items():
+        moved = (want - first[k]).norm().item()
+        off = (sd[k].float() - want).norm().item()
+        rel[k] = off / moved
+        assert off <= bound * moved, f"{cell} {k}: {off:.3g} from the recipe, which moved it {moved:.3g}"
+    order = sorted(rel, key=rel.get)
+    print(f"{cell}: parameter tensors off the recipe by (share of their move) median {rel[order[len(order) // 2]]:.2%}, "
+          f"worst {', '.join(f'{k} {rel[k]:.2%}' for k in order[-3:])}")
+    return rel
