@@ -29,6 +29,9 @@ buffers pad every parameter's rows to ceil(rows/n): `memory.padded_numel`):
            only when autograd saved one of its parameters (an embedding's weight is not), and
            its gradients reduce-scattered after its backward. A unit read again after
            another one is gathered again (the runtime frees the previous unit on a switch).
+           With m micro-batches every forward gathers and every backward re-gathers; only the
+           last reduce-scatters (the program runs the others under `no_sync`).
+The terms come from `zero_comm` (`bucket_overlap`, `zero3_walk`), which the planner calls too.
 Exposed communication = what is left after the overlap; step = forward + backward + exposed
 communication + optimizer step (memory bound). Overlap is not free: while a bucket reduction or
 a ZeRO-3 gather / reduce-scatter is in flight, the compute beside it runs (1 + k) times slower,
@@ -101,8 +104,7 @@ from .pipeline_memory import in_flight, stage_graph, stage_of_nodes
 from .timeline import regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
-from .overlap import CommStream
-from .zero_comm import grad_buckets, zero3_timeline
+from .zero_comm import bucket_overlap, grad_buckets, zero3_events, zero3_payloads, zero3_walk
 
 __all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
 
@@ -276,22 +278,14 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             payloads = [float(sum((local[p.name] if zero < 2 else dp * padded[p.name]) * grad_item[p.name]
                                   for p in members)) for members in buckets]
             # the last micro-batch's backward beside the reduction stream: slowed by the link's
-            # contention while a bucket is in flight (`overlap.CommStream`)
-            stream = CommStream(al.contention)
-            t_c = w_c = 0.0  # the compute's wall time and the backward work done by then
-            for members, payload in zip(buckets, payloads):
-                ready = max(bwd_end[min(p.first_use, len(gc.nodes) - 1)] if p.first_use < len(gc.nodes)
-                            else bwd_total for p in members)
-                if ready > w_c:  # (a bucket ready earlier waits behind the previous one anyway)
-                    t_c = stream.run(t_c, ready - w_c) if stream.k > 0 else ready
-                    w_c = ready
-                d = al.time(op, payload, algorithm)
-                stream.issue(t_c, d)
+            # contention while a bucket is in flight (`zero_comm.bucket_overlap`)
+            ready = [max(bwd_end[min(p.first_use, len(gc.nodes) - 1)] if p.first_use < len(gc.nodes)
+                         else bwd_total for p in members) for members in buckets]
+            durations = [al.time(op, payload, algorithm) for payload in payloads]
+            for payload, d in zip(payloads, durations):
                 comm_total += d
                 add_comm(op, dp_axis, "backward", payload, d, 0.0)
-            t_end = stream.run(t_c, bwd_total - w_c) if stream.k > 0 else bwd_total
-            contention_s = t_end - bwd_total
-            bwd_exposed = max(0.0, stream.free - t_end) + contention_s
+            bwd_exposed, contention_s = bucket_overlap(ready, durations, bwd_total, al.contention)
             if comm_reports.get((op, dp_axis, "backward")):
                 comm_reports[(op, dp_axis, "backward")].exposed_s = bwd_exposed
             # every bucket's flat buffer lives until backward finishes (GradReducer: the copy;
@@ -305,9 +299,25 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                     step_exposed += d
                     add_comm("all_gather", dp_axis, "step", payload, d, d)
         else:
-            fwd_exposed, bwd_exposed, ct, transient, contention_s = zero3_timeline(
-                gc, fwd_t, bwd_t, al, algorithm, dp, grad_item, padded, add_comm, layer_comm)
-            comm_total += ct
+            # every micro-batch gathers every unit (and re-gathers saved ones in backward); only
+            # the last reduce-scatters (earlier ones accumulate under no_sync: runtime.program)
+            events = zero3_events(gc)
+            gather, rs = zero3_payloads(rank_params, dp, padded, grad_item)
+            seg_f, seg_b, pre_f, pre_b = events.segments(fwd_t, bwd_t)
+            w = zero3_walk(events, seg_f, seg_b, pre_f, pre_b, gather, rs,
+                           lambda o, x: al.time(o, x, algorithm), al.contention)
+            n_acc = plan.n_microbatches - 1
+            fwd_exposed = plan.n_microbatches * w.fwd
+            bwd_exposed = w.bwd + n_acc * w.bwd_accum
+            contention_s = plan.n_microbatches * w.slowed[0] + w.slowed[1] + n_acc * w.slowed[2]
+            for calls, times in ((w.calls, 1), (w.calls_accum, n_acc)):
+                for _ in range(times):
+                    for o, phase, payload, d, k in calls:
+                        comm_total += d
+                        add_comm(o, al.axis, phase, payload, d, 0.0)
+                        lay = gc.nodes[events.starts[k]].layer
+                        layer_comm[lay] = layer_comm.get(lay, 0.0) + d
+            transient = 2 * dp * max(gather.values(), default=0.0)  # the gathered unit and the prefetched one
     comm_total += graph_comm_total
     comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total
 

@@ -425,6 +425,7 @@ class GradBuffers:
         self._refs: dict[int, int] = {}
         self._grads: dict[int, int] = {}  # id(TensorMeta) -> buffer id
         self._seen_param: set[Any] = set()
+        self.order: list[Any] = []  # parameter keys in the order their gradients appear
         # storages of parameters and buffers: a gradient for a view of one (the transposed expert
         # weights a grouped matmul reads) is that parameter's gradient, not a new buffer
         # (measured: tests/unit/test_planner_moe_scale.py)
@@ -461,6 +462,7 @@ class GradBuffers:
             if t.is_state or t.key in self._state_bytes:
                 if t.key not in self._seen_param:
                     self._seen_param.add(t.key)
+                    self.order.append(t.key)
                     if not self.preallocated:
                         full = t.nbytes if t.is_state else self._state_bytes[t.key]
                         self.param_grads += self.pg.get(t.key, self.ev(full))
@@ -478,7 +480,7 @@ class GradBuffers:
 
 def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, float] | None = None,
              grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None,
-             loss: LossModel = GRAPH_ONLY) -> Liveness:
+             loss: LossModel = GRAPH_ONLY, trace: list | None = None) -> Liveness:
     """Walk forward then backward and return the peak (see the module docstring).
 
     Args:
@@ -489,6 +491,10 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
         storage_divisor: storage key -> how many ranks share it (tensor-parallel layouts).
         loss: what the loss adds around the outputs (`CROSS_ENTROPY`: as `model.step` runs a
             cross-entropy loss_fn); default the graph alone.
+        trace: a list that receives every point of the walk as (bytes without parameter
+            gradients, how many parameter gradients exist by then), then the parameters' keys in
+            the order their gradients appear: the peak under any `param_grad_bytes` is then
+            max(bytes + the first n gradients) (`search.plan_rank.GradProfile`).
     """
     div = storage_divisor or {}
 
@@ -513,8 +519,8 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
             st = gc.storages.get(key)
             if st is not None and st.is_state:
                 continue
-            if key not in size:  # a buffer created inside the op
-                size[key] = ev(nb)
+            if key not in size:  # a buffer created inside the op (tp-sharded as its node's output)
+                size[key] = ev(nb, key)
                 new_saved[n.index].append(key)
             saved_until[key] = min(saved_until.get(key, n.index), n.index)
     out_keys = {t.key for t in gc.outputs if not t.is_state}
@@ -528,12 +534,16 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
     gb = GradBuffers(gc, ev, param_grad_bytes, grads_preallocated)
     live = inputs
     peak, peak_phase, peak_node = live + gb.param_grads, "forward", "(inputs)"
+    if trace is not None:
+        trace.append((live, 0))
     for n in gc.nodes:
         for k in n.new_storages:
             if k in size and gc.storages[k].producer == n.index:
                 live += size[k]
         for k in new_saved.get(n.index, ()):
             live += size[k]
+        if trace is not None:
+            trace.append((live, 0))
         if live + gb.param_grads > peak:
             peak, peak_phase, peak_node = live + gb.param_grads, "forward", n.name
         for k in free_at.get(n.index, ()):
@@ -545,6 +555,8 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
     # the loss: its saved tensor on top of the forward's end, then its backward makes the seed
     loss_out = loss_output_bytes(gc, ev)
     with_loss = loss != GRAPH_ONLY  # the graph alone: no points of its own (the walk as it always was)
+    if trace is not None and with_loss:
+        trace.append((live + loss.saved * loss_out, 0))
     if with_loss and live + loss.saved * loss_out + gb.param_grads > peak:
         peak, peak_phase, peak_node = live + loss.saved * loss_out + gb.param_grads, "forward", "(loss)"
     # backward: activations still alive (live) + gradient buffers + parameter gradients
@@ -552,12 +564,16 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
     if not loss.outputs_held:
         live -= outputs  # the loss has been computed from the outputs; only saved ones stay
     a = live + gb.live + (loss.saved + loss.grad_temp) * loss_out + gb.param_grads
+    if trace is not None and with_loss:
+        trace.append((a - gb.param_grads, len(gb.order)))
     if with_loss and a > peak:
         peak, peak_phase, peak_node = a, "backward", "(loss)"
 
     def observe(transient: float) -> None:
         nonlocal peak, peak_phase, peak_node
         a = live + gb.live + transient + gb.param_grads
+        if trace is not None:
+            trace.append((a - gb.param_grads, len(gb.order)))
         if a > peak:
             peak, peak_phase, peak_node = a, "backward", n.name
 
@@ -570,5 +586,7 @@ def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, f
             if saved_until.get(key) == n.index and not (st is not None and st.producer < 0):
                 live -= size[key]
                 saved_until[key] = -1
+    if trace is not None:
+        trace.append(list(gb.order))
     return Liveness(inputs=inputs, saved=saved_total, outputs=outputs, peak=peak, peak_phase=peak_phase,
                     peak_node=peak_node, forward_end=forward_end, param_grads=gb.param_grads)

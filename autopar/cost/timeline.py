@@ -143,8 +143,8 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     new_of: dict[int, list[Any]] = defaultdict(list)  # buffers created inside an op and saved
     for n in nodes:
         for key, nb, _tag in n.saved:
-            if key not in gc.storages and key not in size:
-                size[key] = ev(nb)
+            if key not in gc.storages and key not in size:  # tp-sharded as its node's output
+                size[key] = ev(nb, key)
                 new_of[n.index].append(key)
                 producer[key] = n.index
     graph_inputs = {k for k, st in gc.storages.items() if st.producer < 0 and not st.is_state}

@@ -7,20 +7,27 @@
   bucket_caps(bucket_mb)                   those two caps in bytes
   zero3_units(names)                       parameter -> ZeRO-3 unit, as
                                            `runtime.zero_stage3.default_units` gives it
-  zero3_timeline(...)                      ZeRO-3 on one rank's forward and backward: each unit
-                                           all-gathered when first read (prefetched one unit
-                                           ahead), re-gathered in backward where autograd saved
-                                           one of its parameters, its gradients reduce-
-                                           scattered after its backward; the exposed time,
-                                           the compute slowed by contention under the
-                                           collectives in flight (`overlap`)
+  bucket_overlap(ready, durations, ...)    the last micro-batch's backward beside the bucket
+                                           stream: what the buckets leave exposed, the
+                                           compute slowed by contention (`overlap`)
+  zero3_events(gc), zero3_payloads(...)    ZeRO-3 on one rank's graph: each unit all-gathered
+                                           when first read, re-gathered in backward where
+                                           autograd saved one of its parameters; per unit the
+                                           gather and reduce-scatter payloads
+  zero3_walk(...)                          one micro-batch under ZeRO 3: gathers prefetched one
+                                           unit ahead, re-gathers, reduce-scatters after each
+                                           unit's backward (none under no_sync: the runtime
+                                           reduces only in the step's last micro-batch,
+                                           `runtime.program`); the exposed time, the compute
+                                           slowed by contention under the collectives in flight
 
-`estimate.estimate` and the planner's tables (`search.plan_tables`) cost data parallelism with
-these. Reads no node.meta. Deterministic.
+`estimate.estimate` and the planner (`search.plan_tables`, `search.plan_comm`) cost data parallelism
+with these: one implementation of each term. Reads no node.meta. Deterministic.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import Mapping
 
 from autopar.runtime.zero_shard import FIRST_BUCKET_MB, group_in_buckets
@@ -28,7 +35,8 @@ from autopar.runtime.zero_shard import FIRST_BUCKET_MB, group_in_buckets
 from .graph import GraphCost, ParamInfo
 from .overlap import CommStream
 
-__all__ = ["FIRST_BUCKET_MB", "bucket_caps", "grad_buckets", "zero3_units", "zero3_timeline"]
+__all__ = ["FIRST_BUCKET_MB", "Zero3Events", "Zero3Walk", "bucket_caps", "bucket_overlap", "grad_buckets",
+           "zero3_events", "zero3_payloads", "zero3_units", "zero3_walk"]
 
 
 def bucket_caps(bucket_mb: float) -> tuple[float, float]:
@@ -67,36 +75,59 @@ def zero3_units(names: list[str]) -> dict[str, str]:
     return out
 
 
-def zero3_timeline(gc: GraphCost, fwd_t, bwd_t, al, algorithm, dp, grad_item, padded, add_comm, layer_comm):
-    """ZeRO-3 (see the module docstring): gather events in forward order, each followed by its
-    segment of nodes; backward walks the events in reverse, re-gathering before a segment whose
-    nodes saved parameters of its unit and reduce-scattering after it; the compute slowed by
-    the link's contention while a collective is in flight (`overlap.CommStream`). Returns (fwd
-    exposed, bwd exposed, comm time, transient bytes, compute slowdown): the exposed times are
-    what the communication adds to the step, the slowdown included."""
+def bucket_overlap(ready: list[float], durations: list[float], bwd_total: float, k: float) -> tuple[float, float]:
+    """The last micro-batch's backward beside the gradient-bucket stream (ZeRO 0-2): bucket i
+    is issued once the backward's work reaches `ready[i]` (seconds of full-speed work, in
+    bucket order; one ready earlier waits behind the previous one anyway) and takes
+    `durations[i]`; the compute is slowed by (1 + k) while a bucket is in flight
+    (`overlap.CommStream`). Returns (exposed, contention): what the synchronisation adds to
+    the backward's `bwd_total` seconds (the slowdown included), and the slowdown alone.
+    `estimate` and the planner (`search.plan_rank.RankTables.rank_sync`) both price buckets here."""
+    stream = CommStream(k)
+    t_c = w_c = 0.0  # the compute's wall time and the backward work done by then
+    for when, d in zip(ready, durations):
+        if when > w_c:
+            t_c = stream.run(t_c, when - w_c) if stream.k > 0 else when
+            w_c = when
+        stream.issue(t_c, d)
+    t_end = stream.run(t_c, bwd_total - w_c) if stream.k > 0 else bwd_total
+    contention = t_end - bwd_total
+    return max(0.0, stream.free - t_end) + contention, contention
+
+
+@dataclass
+class Zero3Events:
+    """ZeRO 3's gathers along one rank's graph (`zero3_events`): event k gathers `units[k]`
+    before node `starts[k]` and covers the nodes up to the next event's start; `saved[k]`:
+    autograd saved one of the gathered tensors (backward re-gathers the unit)."""
+
+    starts: list[int]
+    units: list[str]
+    saved: list[bool]
+    layers: list[str]
+    n_nodes: int
+
+    def segments(self, fwd_t, bwd_t) -> tuple[list[float], list[float], float, float]:
+        """Per event its nodes' forward and backward seconds (`fwd_t`, `bwd_t`: per node, in
+        graph order), and the seconds of the nodes before the first event."""
+        bounds = self.starts + [self.n_nodes]
+        seg_f = [float(sum(fwd_t[bounds[k]:bounds[k + 1]])) for k in range(len(self.starts))]
+        seg_b = [float(sum(bwd_t[bounds[k]:bounds[k + 1]])) for k in range(len(self.starts))]
+        first = self.starts[0] if self.starts else self.n_nodes
+        return seg_f, seg_b, float(sum(fwd_t[:first])), float(sum(bwd_t[:first]))
+
+
+def zero3_events(gc: GraphCost) -> Zero3Events:
+    """The gather events of ZeRO 3 on `gc` (see the module docstring): a new event whenever the
+    unit of the next parameter read (each read just before its first use) changes; an event is
+    `saved` when a node with a backward saves a parameter of its unit read at or after it."""
     n_nodes = len(gc.nodes)
     params = [p for p in gc.params if not p.is_buffer]
     unit = zero3_units([p.name for p in gc.params])
-    by_unit: dict[str, list[ParamInfo]] = {}
-    for p in params:
-        by_unit.setdefault(unit[p.name], []).append(p)
-    gather = {u: float(sum(padded[p.name] * p.dtype.itemsize for p in ps)) for u, ps in by_unit.items()}
-    trainable_units = {u for u, ps in by_unit.items() if any(p.requires_grad for p in ps)}
-    rs = {u: float(dp * sum(padded[p.name] for p in ps) * grad_item[next(p.name for p in ps if p.requires_grad)])
-          for u, ps in by_unit.items() if u in trainable_units}
-
-    # gather events: (first node of the segment, unit), a new one whenever the unit changes
     events: list[tuple[int, str]] = []
     for p in sorted((p for p in params if p.first_use < n_nodes), key=lambda p: p.first_use):
         if not events or events[-1][1] != unit[p.name]:
             events.append((p.first_use, unit[p.name]))
-    bounds = [e[0] for e in events] + [n_nodes]
-    seg_fwd = [sum(fwd_t[i] for i in range(bounds[k], bounds[k + 1])) for k in range(len(events))]
-    seg_bwd = [sum(bwd_t[i] for i in range(bounds[k], bounds[k + 1])) for k in range(len(events))]
-    pre_fwd = sum(fwd_t[i] for i in range(bounds[0])) if events else sum(fwd_t)
-    pre_bwd = sum(bwd_t[i] for i in range(bounds[0])) if events else sum(bwd_t)
-    # which events' gathered tensors autograd saved: a node saving a parameter saves the
-    # tensor of the latest gather of its unit at or before that node
     key_of = {p.key: p for p in params if p.key is not None}
     starts_of: dict[str, list[tuple[int, int]]] = {}  # unit -> [(first node, event index)] in order
     for k, (start, u) in enumerate(events):
@@ -113,63 +144,106 @@ def zero3_timeline(gc: GraphCost, fwd_t, bwd_t, al, algorithm, dp, grad_item, pa
             j = bisect.bisect_right(seq, (n.index, len(events))) - 1
             if j >= 0:
                 saved_in[seq[j][1]] = True
-    layer_of = [gc.nodes[start].layer for start, _u in events]
-    total = slowed = 0.0
-    stream = CommStream(al.contention)  # the compute slowed by (1 + k) while a collective is in flight
+    return Zero3Events([e[0] for e in events], [e[1] for e in events], saved_in,
+                       [gc.nodes[start].layer for start, _u in events], n_nodes)
 
-    def gather_at(k: int, issue: float, phase: str) -> float:
-        nonlocal total
-        u = events[k][1]
-        d = al.time("all_gather", gather[u], algorithm)
-        total += d
-        add_comm("all_gather", al.axis, phase, gather[u], d, 0.0)
-        layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
-        return stream.issue(issue, d)
 
-    def run(t: float, work: float) -> float:
-        nonlocal slowed
-        if stream.k <= 0:
-            return t + work
-        end = stream.run(t, work)
-        slowed += end - t - work
-        return end
+def zero3_payloads(params: list[ParamInfo], dp: int, padded: Mapping[str, int],
+                   grad_item: Mapping[str, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per ZeRO-3 unit: the all-gather payload (this rank's padded rows, in the parameters'
+    dtype) and, for a unit with a trainable parameter, the reduce-scatter payload (every rank's
+    padded rows at the communicated gradient itemsize)."""
+    unit = zero3_units([p.name for p in params])
+    by_unit: dict[str, list[ParamInfo]] = {}
+    for p in params:
+        if not p.is_buffer:
+            by_unit.setdefault(unit[p.name], []).append(p)
+    gather = {u: float(sum(padded[p.name] * p.dtype.itemsize for p in ps)) for u, ps in by_unit.items()}
+    rs = {u: float(dp * sum(padded[p.name] for p in ps) * grad_item[next(p.name for p in ps if p.requires_grad)])
+          for u, ps in by_unit.items() if any(p.requires_grad for p in ps)}
+    return gather, rs
 
-    # forward: gather k is issued once segment k-1 started (prefetch), segment k waits for it
-    E = len(events)
-    ends = [0.0] * E
-    if E:
-        ends[0] = gather_at(0, 0.0, "forward")
-    t = run(0.0, pre_fwd)
-    for k in range(E):
-        t = max(t, ends[k])
-        if k + 1 < E:
-            ends[k + 1] = gather_at(k + 1, t, "forward")
-        t = run(t, seg_fwd[k])
-    fwd_exp = t - pre_fwd - sum(seg_fwd)
-    # backward, in reverse: re-gather before a segment that needs it (issued when the segment
-    # after it starts, queued behind that segment's reduce-scatter), reduce-scatter after it
-    t = 0.0
-    stream = CommStream(al.contention)  # backward on a clock of its own, from 0
-    if E and saved_in[E - 1]:
-        ends[E - 1] = gather_at(E - 1, 0.0, "backward")
-    for k in reversed(range(E)):
-        if saved_in[k]:
-            t = max(t, ends[k])
-        start = t
-        u = events[k][1]
-        early = k > 0 and saved_in[k - 1] and u not in trainable_units
-        if early:  # nothing queued before it: it overlaps this segment
-            ends[k - 1] = gather_at(k - 1, start, "backward")
-        t = run(t, seg_bwd[k])
-        if u in trainable_units:
-            d = al.time("reduce_scatter", rs[u], algorithm)
-            stream.issue(t, d)
-            total += d
-            add_comm("reduce_scatter", al.axis, "backward", rs[u], d, 0.0)
-            layer_comm[layer_of[k]] = layer_comm.get(layer_of[k], 0.0) + d
-        if k > 0 and saved_in[k - 1] and not early:
-            ends[k - 1] = gather_at(k - 1, start, "backward")
-    t = run(t, pre_bwd)
-    bwd_exp = max(t, stream.free) - pre_bwd - sum(seg_bwd)
-    transient = 2 * dp * max(gather.values(), default=0.0)  # the gathered unit and the prefetched one
-    return fwd_exp, bwd_exp, total, transient, slowed
+
+@dataclass
+class Zero3Walk:
+    """One micro-batch under ZeRO 3 (`zero3_walk`): seconds the communication adds to its forward,
+    to its backward when it reduce-scatters (the step's last micro-batch), and to its backward
+    under no_sync (earlier micro-batches: re-gathers only); the slowdown parts of those three;
+    and the collectives it issues as (op, phase, payload, seconds, event) in issue order, the
+    no_sync backward's apart."""
+
+    fwd: float
+    bwd: float
+    bwd_accum: float
+    slowed: tuple[float, float, float]
+    calls: list[tuple[str, str, float, float, int]]
+    calls_accum: list[tuple[str, str, float, float, int]]
+
+
+def zero3_walk(ev: Zero3Events, seg_f, seg_b, pre_f: float, pre_b: float, gather: Mapping[str, float],
+               rs: Mapping[str, float], time_of, k: float) -> Zero3Walk:
+    """ZeRO 3 on one micro-batch (see the module docstring): forward, gather k issued once
+    segment k-1 started (prefetch one ahead), segment k waits for it; backward, in reverse, a
+    re-gather before a segment that saved its unit's tensors (issued when the segment after it
+    starts, queued behind that segment's reduce-scatter), the unit's reduce-scatter after it
+    (none under no_sync). `time_of(op, payload)`: a collective's seconds on the data axis; `k`:
+    its link's contention. `estimate` and the planner (`search.plan_rank`) both
+    walk ZeRO 3 here."""
+    E = len(ev.starts)
+
+    def walk(phase: str, sync: bool) -> tuple[float, float, list]:
+        stream = CommStream(k)
+        calls: list = []
+        slowed = 0.0
+
+        def gather_at(i: int, issue: float) -> float:
+            u = ev.units[i]
+            d = time_of("all_gather", gather[u])
+            calls.append(("all_gather", phase, gather[u], d, i))
+            return stream.issue(issue, d)
+
+        def run(t: float, work: float) -> float:
+            nonlocal slowed
+            if stream.k <= 0:
+                return t + work
+            end = stream.run(t, work)
+            slowed += end - t - work
+            return end
+
+        ends = [0.0] * E
+        if phase == "forward":
+            if E:
+                ends[0] = gather_at(0, 0.0)
+            t = run(0.0, pre_f)
+            for i in range(E):
+                t = max(t, ends[i])
+                if i + 1 < E:
+                    ends[i + 1] = gather_at(i + 1, t)
+                t = run(t, seg_f[i])
+            return t - pre_f - sum(seg_f), slowed, calls
+        t = 0.0
+        if E and ev.saved[E - 1]:
+            ends[E - 1] = gather_at(E - 1, 0.0)
+        for i in reversed(range(E)):
+            if ev.saved[i]:
+                t = max(t, ends[i])
+            start = t
+            u = ev.units[i]
+            reduces = sync and u in rs
+            early = i > 0 and ev.saved[i - 1] and not reduces
+            if early:  # nothing queued before it: it overlaps this segment
+                ends[i - 1] = gather_at(i - 1, start)
+            t = run(t, seg_b[i])
+            if reduces:
+                d = time_of("reduce_scatter", rs[u])
+                stream.issue(t, d)
+                calls.append(("reduce_scatter", phase, rs[u], d, i))
+            if i > 0 and ev.saved[i - 1] and not early:
+                ends[i - 1] = gather_at(i - 1, start)
+        t = run(t, pre_b)
+        return max(t, stream.free) - pre_b - sum(seg_b), slowed, calls
+
+    f, sf, cf = walk("forward", True)
+    b, sb, cb = walk("backward", True)
+    ba, sa, ca = walk("backward", False)
+    return Zero3Walk(f, b, ba, (sf, sb, sa), cf + cb, cf + ca)

@@ -1,4 +1,6 @@
-"""The data-parallel communication terms of the joint planner's cost model (`search.plan_cost`).
+"""The data-parallel communication terms of the joint planner's cost model (`search.plan_cost`)
+for pipeline plans, per pipeline unit (one-stage plans take `search.plan_rank`'s, which are
+`cost.estimate`'s).
 
 `dp_sync`: a rank's gradient synchronisation after its last backward (ZeRO 0/1 all-reduce, 2
 reduce-scatter, in buckets as the runtime forms them, each once its gradients are ready;

@@ -137,7 +137,9 @@ class ContextTables:
 
 class MemoLink:
     """An `AxisLink` whose times and bytes are memoised (the search asks for the same few
-    payloads many times)."""
+    payloads many times). Every collective takes the algorithm `cost.estimate` prices by
+    default ("auto": the faster of ring and tree where both exist, as NCCL's tuner picks), so
+    that the planner's figures are estimate's."""
 
     def __init__(self, al):
         self.al = al
@@ -149,12 +151,12 @@ class MemoLink:
         key = (op, nbytes)
         t = self._t.get(key)
         if t is None:
-            t = self._t[key] = self.al.time(op, nbytes)
+            t = self._t[key] = self.al.time(op, nbytes, "auto")
         return t
 
     def bytes_sent(self, op: str, nbytes: float) -> float:
         key = (op, nbytes)
         b = self._b.get(key)
         if b is None:
-            b = self._b[key] = self.al.bytes_sent(op, nbytes)
+            b = self._b[key] = self.al.bytes_sent(op, nbytes, "auto")
         return b

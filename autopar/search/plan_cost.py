@@ -24,6 +24,13 @@ For a candidate:
            walked, which admits an even split that fits, then shares summing to the rank's
            limit), the recompute
            is chosen per rank against the schedule walk, and the walk below has the last word.
+  pp = 1   (without expert parallelism) data parallelism and memory are `cost.estimate`'s, by
+           the same functions on the rank's whole graph (`search.plan_rank`: buckets of whole
+           parameters ready per node, ZeRO 3's runtime units gathered every micro-batch and
+           reduce-scattered once, the liveness walk with the gradients as backward makes them,
+           with recompute the checkpointed regions' walk, `cost.timeline`);
+           tests/unit/test_one_cost_model.py checks the two agree to 1e-6. The rest below is
+           the pipeline's per-unit model.
   time     pp = 1: m (F + B). pp > 1: the schedule's simulator (`cost.schedule.simulate`)
            with per-stage F, B and point-to-point times. Then per rank: gradient
            synchronisation over dp per unit in backward order, overlapped with the last
@@ -55,11 +62,12 @@ Simplifications (stated so that a reader can weigh predictions): times are per r
 same on every tp/dp rank; stage-boundary transfers send the whole activation (a sequence-
 parallel boundary would send 1/t of it); the working set is the whole graph's, on every
 stage; data parallel comm of virtual stages other than the rank's last is taken as ready when
-the rank's last backward starts; every gradient is taken as allocated while activations peak
-(one micro-batch: conservative by up to the gradients); ZeRO 3 regathers every unit every
-micro-batch; recomputed blocks keep their input only (collective outputs inside a block,
-which the recompute pass keeps, are not counted). `tests/unit/test_planner.py` checks the
-pp = 1 predictions against `cost.estimate` for dp, ZeRO and tp plans.
+the rank's last backward starts; with pp > 1 every gradient is taken as allocated while
+activations peak (one micro-batch: conservative by up to the gradients) and ZeRO 3 regathers
+and reduce-scatters every unit every micro-batch, and recomputed blocks keep their input only
+(collective outputs inside a block, which the recompute pass keeps, are not counted; the
+choice of blocks uses this at pp = 1 too); expert-parallel plans take `search.expert.ep_cost`,
+not estimate's expert accounting.
 
 node.meta: read only by the tables (`search.plan_tables`: the placeholders' `val`, the rest
 through `cost.analyze`, `passes.ir` and the sharding rules); nothing here reads or writes it.
@@ -120,7 +128,10 @@ class PlanCostModel(PlanTables):
                                  st.total["grads"] / t, c, *self._offload_totals(st, t))
         u1 = self.units(1, rows, c.cp)
         act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1, recompute)
-        return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, sum(st.total.values()) / t * (1 - 1e-3), act)
+        states = sum(st.total.values()) / t * (1 - 1e-3)
+        if self._one_stage(c):  # the gradients may appear only after the activations' peak
+            return self._time_bound(c, f, b, opt_tot, st, t), max(states - st.total["grads"] / t + act, states)
+        return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, states, act)
 
     def _inputs_floor(self, c: Candidate, u: UnitCosts, recompute: bool) -> float:
         """Every stage but the first keeps its input (the activation crossing its first
@@ -153,9 +164,20 @@ class PlanCostModel(PlanTables):
         opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c,
                                  *self._offload_totals(st))
         act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u, recompute)
+        states = sum(st.total.values())
+        if self._one_stage(c):  # the walk evaluate prices; with recompute, what the checkpointed walk keeps at least
+            z3 = self.zero3_transient(c.tp, c.replicas) if c.zero == 3 and c.replicas > 1 else 0.0
+            grads = float(st.total["grads"])
+            one_act = self.rank_act_peak(c, rows, st.param_grad) - grads + z3 if not recompute else act - grads + z3
+            return self._time_bound(c, f, b, opt_tot, st), max(states + one_act, states)
         z3 = 2 * c.replicas * float(st.gather.max()) if c.zero == 3 and c.replicas > 1 else 0.0
         fixed = self.workspace(c.tp, rows, c.cp) + z3  # every rank's peak has these on top
-        return self._time_bound(c, f, b, opt_tot, st), self._mem_bound(c, sum(st.total.values()), act) + fixed
+        return self._time_bound(c, f, b, opt_tot, st), self._mem_bound(c, states, act) + fixed
+
+    def _one_stage(self, c: Candidate) -> bool:
+        """Whether `c` is priced on the rank's whole graph (`search.plan_rank`): one stage, no
+        expert parallelism."""
+        return c.pp == 1 and (c.ep < 2 or not self.moe_blocks)
 
     def _mem_bound(self, c: Candidate, states: float, act: float) -> float:
         """The fullest rank's memory is at least the ranks' average, and at least a weighted
@@ -196,10 +218,13 @@ class PlanCostModel(PlanTables):
             else:
                 g = al.time("all_gather", ga) if ga > 0 else 0.0
                 rs = al.time("reduce_scatter", gp) if gp > 0 else 0.0
-                fwd_min, bwd_min = max(F, g), max(B, g + rs)
-        lb = max((m * (fwd_min + bwd_min) + opt_tot + after) / p, m * float(per.max()))
+                fwd_min, bwd_min, last_b = max(F, g), max(B, g + rs), max(B, rs)
+        work = m * (fwd_min + bwd_min)
+        if p == 1 and z == 3 and st is not None and c.replicas > 1:  # one stage: reduce-scatters once a step
+            work = m * fwd_min + (m - 1) * B + last_b
+        lb = max((work + opt_tot + after) / p, m * float(per.max()))
         if p == 1:
-            lb = max(lb, m * (fwd_min + bwd_min) + max(0.0, sync - B) + after + opt_tot)
+            lb = max(lb, work + max(0.0, sync - B) + after + opt_tot)
         elif c.virtual == 1:
             gamma = 1.0 if c.schedule in ("1f1b", "gpipe") else float(np.min(np.where(per > 0, f / np.maximum(per, 1e-300), 1.0)))
             lb = max(lb, _chain_factor(m, p, gamma) * float(per.sum()))
@@ -295,11 +320,17 @@ class PlanCostModel(PlanTables):
         stages_of = [[s for s in range(S) if s2r[s] == r] for r in range(P)]
         # per-unit times per micro-batch, with ZeRO-3 gathers and expert parallelism
         f0, b0 = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
-        z3f, z3b = zero3_exposed(f0, b0, st, links.get("dp")) if z == 3 else (np.zeros(L), np.zeros(L))
+        # one stage: data parallelism and memory on the rank's whole graph, as cost.estimate
+        # prices them (`search.plan_rank`); a pipeline's stages: per unit (`search.plan_comm`)
+        one = self._one_stage(c)
+        z3f, z3b = zero3_exposed(f0, b0, st, links.get("dp")) if z == 3 and not one else (np.zeros(L), np.zeros(L))
         F_u, B_u = f0 + z3f, b0 + z3b
         ws = self.workspace(c.tp, rows, c.cp)
         R = c.replicas  # ranks holding the same parameters (dp, x cp)
-        fixed = ws + (2 * R * float(st.gather.max()) if z == 3 else 0.0)  # ZeRO 3: a unit gathered + the next
+        z3_units = (self.zero3_transient(c.tp, R) if one else 2 * R * float(st.gather.max())) if z == 3 else 0.0
+        fixed = ws + z3_units  # ZeRO 3: a unit gathered + the next
+        if one:  # the activation walk's peak with the gradients as backward makes them
+            one_act = self.rank_act_peak(c, rows, st.param_grad) - float(st.total["grads"]) + z3_units
         trans_u = st.grad_payload * ((1 + 1 / R) if z == 2 else 1.0) if z < 3 and R > 1 else np.zeros(L)
         pp_link = links.get("pp")
         hop = np.array([pp_link.time("send_recv", float(x)) if pp_link is not None and x > 0 else 0.0
@@ -340,7 +371,9 @@ class PlanCostModel(PlanTables):
             chosen_all = set()  # one stage per rank: as little recompute as fits the stage
             for s in range(S):
                 excess = base_st[s] + k_s[s] * base_a[s] + fixed - stage_limit[s]
-                if s == S - 1:  # the loss's backward (see the peak below); recompute frees both alike
+                if one:
+                    excess = base_st[s] + one_act - stage_limit[s]
+                elif s == S - 1:  # the loss's backward (see the peak below); recompute frees both alike
                     excess = max(excess, excess + self._loss_extra(c, rows, chain.categories(starts[s], ends[s]), ws))
                 blocks = [(x, float(k_s[s])) for x in range(starts[s], ends[s])]
                 chosen_all |= set(choose_recompute(blocks, u, self.blocks, excess, rc_pin, recompute, minimise))
@@ -353,6 +386,9 @@ class PlanCostModel(PlanTables):
             rtime = sum(u.rc_time[x] for x in chosen)
             for x in chosen:
                 rc_units[self.unit_names[x]] = "full"
+            if one and chosen:  # estimate's walk of the checkpointed regions: its peak and recompute time
+                rc_peak, rtime = self.rank_recompute(c, rows, tuple(rc_units), st.param_grad)
+                one_act = rc_peak - float(st.total["grads"]) + z3_units
             F_s.append(float(F_u[i:j].sum()))
             B_s.append(float(B_u[i:j].sum()) + rtime)
             act_s.append(base_a[s] - saved)
@@ -407,6 +443,10 @@ class PlanCostModel(PlanTables):
                        at_loss,
                        st_r[r] + trans,  # end of backward: the flat gradient buffers (ZeRO 0-2)
                        st_r[r] + adam)  # the optimizer step's temporaries
+            if one:  # estimate's three points: the walk, the end of backward (buffers, inputs), the step
+                end_bufs = self.rank_transient(c)
+                peak = max(st_r[r] + one_act - (0.0 if rc_units else base_a[0] - act_s[0]), st_r[r] + end_bufs + self.grad_profile(
+                    c.tp, rows, c.cp).inputs, st_r[r] + adam)
             rank_peaks.append(peak)
             rank_cats.append({**cats_r[r], "activations": best, "workspace": ws, "comm_buffers": trans + (fixed - ws),
                               "optimizer_step_temp": adam, "peak": peak})
@@ -444,8 +484,12 @@ class PlanCostModel(PlanTables):
         ep_sync = self._ep_terms(c, rows)[2]
         for r in range(P):
             mine = stages_of[r]
-            exposed, after, t_r, b_r = dp_sync(mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c,
-                                               self.bucket_bytes)
+            if one:
+                rsync = self.rank_sync(c, u, dp_link)
+                exposed, after, t_r, b_r = rsync.exposed, rsync.after, rsync.time_s, rsync.bytes_sent
+            else:
+                exposed, after, t_r, b_r = dp_sync(mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c,
+                                                   self.bucket_bytes)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
             step = max(step, ends_r[r] + exposed + after + ep_sync + opt_r[r])

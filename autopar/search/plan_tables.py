@@ -23,7 +23,9 @@ search over thousands of candidates on a 70B graph costs seconds:
                    liveness walk's working set beyond the saved tensors (gradients of
                    activations, the logits ...; `cost.liveness`, exact at 1 row and at the
                    most rows, the chord in between: an overestimate, the peak being convex).
-                   Identical blocks are costed once. `optimistic_units`: the same times with
+                   Identical blocks are costed once; every node's forward and backward
+                   seconds too (`node_fwd`, `node_bwd`, without the tp conversions: what
+                   `search.plan_rank` walks for one-stage plans). `optimistic_units`: the same times with
                    every node's work divided by t, without the ILP (for the bounds).
   per (t, z, d, e) model states per unit (`cost.memory.plan_states`, the count cost.estimate
                    uses, with the TP layouts and the plan's precision: params at param_dtype,
@@ -34,9 +36,11 @@ search over thousands of candidates on a 70B graph costs seconds:
                    ranks; expert parameters (`search.expert_detect.detect_moe`) divided over e
                    expert-parallel ranks. A parameter read by several units is
                    kept apart (`UnitStates.shared`), to be counted on every stage that reads it.
+                   Buffers tp-local, the step's temporary without Adam's step scalars, each
+                   parameter's gradient in backward (`param_grad`): as cost.estimate counts.
+  one stage        `search.plan_rank.RankTables` (inherited): pp = 1 as cost.estimate prices it.
   per mesh         the axes' links (`search.plan_context`: `cost.comm.axis_links`, times and
-                   bytes memoised per payload, dp joined with cp); per (schedule, pp, micro-batches) the step's schedule
-                   (`cost.schedule.make_schedule`).
+                   bytes memoised per payload, dp joined with cp).
 
 node.meta: reads `val` of the placeholders (the captured rows of a batch, the tokens in a row)
 and otherwise reads node.meta only through `cost.analyze`, `passes.ir` and the sharding rules
@@ -66,7 +70,6 @@ from autopar.cost.memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, dev
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
 from autopar.cost.placements import Layout, Placement, conversion_bytes, conversion_time
-from autopar.cost.schedule import make_schedule
 from autopar.cost.zero_comm import bucket_caps
 from autopar.passes.plan import torch_dtype
 from autopar.passes.rules.sharding import requires_grad_nodes
@@ -74,6 +77,7 @@ from autopar.passes.split_pipeline import pipeline_units
 from autopar.search.candidate import Candidate
 from autopar.search.expert_detect import detect_moe
 from autopar.search.plan_context import ContextTables
+from autopar.search.plan_rank import RankTables
 from autopar.search.shard_tables import ShardInfo, shard_info
 from autopar.search.stages import cross_bytes
 
@@ -101,6 +105,8 @@ class UnitCosts:
     expert_b: np.ndarray
     workspace: float | None = None
     loss_workspace: float | None = None
+    node_fwd: np.ndarray | None = None  # per node of the graph: forward, backward seconds
+    node_bwd: np.ndarray | None = None
 
 
 @dataclass
@@ -114,9 +120,10 @@ class UnitStates:
     offload_elems: np.ndarray | None = None  # per unit, with offload: elements the CPU steps
     offload_mo: np.ndarray | None = None  # per unit, with offload: master + optimizer bytes on the host
     host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
+    param_grad: np.ndarray | None = None  # per parameter (gc.params order): its gradient in backward, masters' aside
 
 
-class PlanTables(ContextTables):
+class PlanTables(ContextTables, RankTables):
     """The per-graph tables of `plan_cost.PlanCostModel` (see the module docstring), each
     computed on first use and cached. The constructor is the model's: its arguments are
     documented on `PlanCostModel`."""
@@ -140,6 +147,7 @@ class PlanTables(ContextTables):
         self.param_dtype = torch_dtype(self.precision.get("param_dtype"))
         self.reduce_dtype = torch_dtype(self.precision.get("reduce_dtype"))
         self.param_pins = dict(param_pins or {})
+        self.bucket_mb = bucket_mb
         self.bucket_bytes = bucket_caps(bucket_mb)
         self.node_pins = dict(node_pins or {})
         self.symbolic_batch = any(str(k) == "b" for k in self.gc.values())
@@ -307,14 +315,17 @@ class PlanTables(ContextTables):
             return r
 
         items, rep = self._unit_items(t)
+        node_fb: dict[int, list] = {}  # per costed unit, its nodes' (forward, backward) seconds
         for u in range(L):
             r = rep[u]
             if r != u:  # an identical unit was costed already
                 fwd[u], bwd[u], act[u], flops[u], ef[u], eb[u] = fwd[r], bwd[r], act[r], flops[r], ef[r], eb[r]
                 continue
+            fb = node_fb[u] = []
             for nc, d, is_exp, saved in items[u]:
                 f, b = timer.node(nc, d)
                 k = cp if cp > 1 and "scaled_dot_product_attention" in nc.op else 1  # against every chunk
+                fb.append((f * k, b * k))
                 fwd[u] += f * k
                 bwd[u] += b * k
                 if is_exp:
@@ -343,6 +354,11 @@ class PlanTables(ContextTables):
         rc_save = np.where(self.blocks > 0, np.maximum(act - cross_in, 0.0), 0.0)
         rc_time = np.where(self.blocks > 0, fwd + tpc / 2, 0.0)
         out = UnitCosts(fwd + tpc / 2, bwd + tpc / 2, tpc, act, cross, rc_save, rc_time, flops, tp_bytes, ef, eb)
+        # per node of the graph (in its order), as `cost.estimate` times them (no tp conversions)
+        idx = np.fromiter((nc.index for its in items for nc, *_ in its), dtype=np.int64)
+        both = np.array([x for u in range(L) for x in node_fb[rep[u]]]).reshape(-1, 2) * scale
+        out.node_fwd, out.node_bwd = np.zeros(len(gc.nodes)), np.zeros(len(gc.nodes))
+        out.node_fwd[idx], out.node_bwd[idx] = both[:, 0], both[:, 1]
         self._units[key] = out
         return out
 
@@ -489,21 +505,25 @@ class PlanTables(ContextTables):
             full = dense.get(p.name, {})
             dev, host = device_resident(full, self.offload, z)
             row = {c: float(dev.get(c, 0)) for c in CATEGORIES}
-            if p.is_buffer:
-                row = {c: 0.0 for c in CATEGORIES}
-                row["buffers"] = float(p.numel * p.dtype.itemsize)
             shape = tp_local_shape(p, layouts, mesh, "dp")
+            if p.is_buffer:  # its tp-local piece, as cost.model_states counts it
+                row = {c: 0.0 for c in CATEGORIES}
+                row["buffers"] = float(math.prod(rows_of(shape)) * p.dtype.itemsize)
             if p.requires_grad and not p.is_buffer:
                 g_item = (self.reduce_dtype or p.dtype).itemsize  # what is communicated
                 gp = float(math.prod(rows_of(shape)) * g_item if z < 2 else dp * padded_numel(shape, dp) * g_item)
                 ga = float(padded_numel(shape, dp) * p.dtype.itemsize)
             else:
                 gp = ga = 0.0
-            # the step's temporary (one per optimizer state element, on the device only)
-            tmp = 0.0 if self.offload else self.opt.step_temporary(float(full.get("optimizer", 0)), self.hw.device.kind)
+            # the step's temporary (one per optimizer state element, the step scalar aside, as
+            # cost.estimate counts it; on the device only)
+            step = 4.0 if self.opt.step_tensor and p.requires_grad and not p.is_buffer and full.get("optimizer") else 0.0
+            tmp = 0.0 if self.offload else self.opt.step_temporary(float(full.get("optimizer", 0)) - step,
+                                                                   self.hw.device.kind)
+            pg = float(full.get("grads", 0) - full.get("master_grads", 0)) if p.requires_grad and not p.is_buffer else 0.0
             elems = float(full.get("opt_elems", 0)) if self.offload else 0.0
             mo = float(full.get("master", 0) + full.get("optimizer", 0)) if self.offload else 0.0
-            per_kind.append((row, gp, ga, tmp, elems, mo, host))
+            per_kind.append((row, gp, ga, tmp, elems, mo, host, pg))
         L = self.L
         cat = {c: np.zeros(L) for c in CATEGORIES}
         grad_payload, gather, adam = np.zeros(L), np.zeros(L), np.zeros(L)
@@ -511,11 +531,13 @@ class PlanTables(ContextTables):
         host_total = 0.0
         shared: list[tuple[dict[str, float], np.ndarray]] = []
         total = {c: 0.0 for c in CATEGORIES}
-        for p, kind in zip(self.gc.params, kinds):
-            row, gp, ga, tmp, elems, mo, host = per_kind[kind]
+        param_grad = np.zeros(len(self.gc.params))
+        for i, (p, kind) in enumerate(zip(self.gc.params, kinds)):
+            row, gp, ga, tmp, elems, mo, host, pg = per_kind[kind]
             if ep > 1 and p.name in self.expert_params:
                 row = {c: v / ep for c, v in row.items()}
-                gp, ga, tmp, elems, mo, host = gp / ep, ga / ep, tmp / ep, elems / ep, mo / ep, host / ep
+                gp, ga, tmp, elems, mo, host, pg = gp / ep, ga / ep, tmp / ep, elems / ep, mo / ep, host / ep, pg / ep
+            param_grad[i] = pg
             for c in CATEGORIES:
                 total[c] += row[c]
             host_total += host
@@ -538,7 +560,7 @@ class PlanTables(ContextTables):
                 # the gradient is synchronised by the last reader's stage; count it there
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
-        out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total)
+        out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total, param_grad)
         self._states[key] = out
         return out
 
@@ -575,12 +597,3 @@ class PlanTables(ContextTables):
         m_item = master.itemsize if master is not None else max((p.dtype.itemsize for p in trained), default=4)
         return offload_step_seconds(elems, host_mo, g_item, m_item, self.hw.host_bandwidth,
                                     self.hw.host_memory_bandwidth, zero_stage=zero_stage)
-
-    # ------------------------------------------------------------------ schedules
-    def schedule(self, c: Candidate):
-        key = (c.schedule, c.pp, c.micro)
-        hit = self._scheds.get(key)
-        if hit is None:
-            v = c.virtual
-            hit = self._scheds[key] = make_schedule(c.schedule, c.pp, c.micro, v if v > 1 else None)
-        return hit

@@ -71,8 +71,9 @@ def test_pure_bf16_keeps_no_masters_and_needs_less_memory_than_bf16_mixed():
     mem = pure.predicted["memory_bytes"]
     assert mem["master"] == 0 and mem["grads"] == 2 * n and mem["optimizer"] == 2 * 2 * n + 4 * k
     assert pure.predicted["peak_bytes"] < mixed.predicted["peak_bytes"]
-    # the difference is the masters, their gradients and the wider states, at least
-    assert mixed.predicted["peak_bytes"] - pure.predicted["peak_bytes"] >= 4 * n + 4 * n + 2 * 2 * n
+    # the difference is the masters and the wider states, at least (the masters' gradients exist
+    # only after backward, not at the activation peak: cost.estimate's walk, which the planner follows)
+    assert mixed.predicted["peak_bytes"] - pure.predicted["peak_bytes"] >= 4 * n + 2 * 2 * n
 
 
 def test_an_fp32_model_planned_bf16_mixed_computes_at_the_bf16_peak():
