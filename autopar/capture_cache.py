@@ -10,7 +10,8 @@ of these are equal:
   * the class of every module (the type object itself), its `training` flag, its hooks (by
     identity) and its other attributes: plain values by value, configs (objects with `to_dict()`, a transformers `PretrainedConfig`) by all their fields,
     private ones included (`_attn_implementation_internal`), dataclasses (models.gpt
-    `GPTConfig`) by their type and every field's value, anything else (functions,
+    `GPTConfig`) by their type and every field's value, a `functools.partial` by its function,
+    arguments and keywords, anything else (functions,
     tensors held as plain attributes, other objects) by identity (a module-level function is one
     object in every instance, two lambdas are two), kept alive by the memo so an identity
     cannot be reused;
@@ -29,8 +30,9 @@ call `clear()`.
 
 A hit returns a new GraphModule: a copy of the stored graph (fresh node.meta dicts, so a pass
 rewriting one graph never touches another; `NodeInfo` is frozen), bound to *this* model's
-parameters and buffers by name, with the stored graph's own constants, registered as the first
-capture registered them. `gm.meta["autopar_capture"]["cached"]` says it was a hit. The memo
+parameters and buffers by name, with the stored graph's own constants (tensor attributes, and
+buffers the model does not have: export's lifted constants), registered as the first capture
+registered them. `gm.meta["autopar_capture"]["cached"]` says it was a hit. The memo
 keeps graphs, never the first model's weights (constants excepted), and the 16 newest entries;
 `counts()` says how many lookups hit and missed.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import os
 from collections import OrderedDict
 from typing import Any
@@ -107,6 +110,11 @@ def _value_key(v: Any, keep: list, depth: int = 0):
         return ("config", id(type(v)), _value_key(dict(sorted(vars(v).items())), keep, depth + 1))
     if isinstance(v, enum.Enum):
         return ("enum", repr(v))
+    if type(v) is functools.partial:
+        # a partial is its function, arguments and keywords (transformers' GELUTanh holds
+        # `partial(F.gelu, approximate="tanh")`, one new object per module instance)
+        return ("partial", _value_key(v.func, keep, depth + 1), _value_key(v.args, keep, depth + 1),
+                _value_key(dict(sorted(v.keywords.items())), keep, depth + 1))
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         # a config dataclass (models.gpt GPTConfig): its type by identity and every field by
         # value, so two models built from two equal configs share a capture; attributes set
@@ -171,7 +179,10 @@ def _owner(gm: nn.Module, target: str) -> tuple[nn.Module, str]:
 
 def store(key: tuple, keep: list, gm: fx.GraphModule) -> None:
     """Remember `gm` (just captured) under `key`: its graph, gm.meta, and for every get_attr
-    target how it is registered (constants are kept; parameters and buffers are not)."""
+    target how it is registered (constants are kept; the model's parameters and buffers are not).
+    A buffer the model does not have under that name (a tensor constant torch.export lifted
+    into the graph, `lifted_tensor_0`: Falcon's rotary code) is a constant of the graph: kept."""
+    model_names = {name for _kind, name, *_rest in key[1]}  # key_of: every parameter and buffer name
     attrs = {}
     for n in gm.graph.nodes:
         if n.op != "get_attr":
@@ -180,7 +191,7 @@ def store(key: tuple, keep: list, gm: fx.GraphModule) -> None:
         if field in owner._parameters:
             attrs[n.target] = ("param", None)
         elif field in owner._buffers:
-            attrs[n.target] = ("buffer", None)
+            attrs[n.target] = ("buffer", None if n.target in model_names else owner._buffers[field])
         else:
             attrs[n.target] = ("attr", getattr(owner, field))
     _MEMO[key] = _Entry(_copy_graph(gm.graph), _copy_meta(gm.meta), attrs, keep)

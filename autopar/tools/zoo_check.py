@@ -1,16 +1,18 @@
 """Run the model zoo (`autopar.models.zoo`): parity on gloo at tiny size, plans at real size.
 
-`parity(row)` runs, for each of the row's meshes, one fresh gloo world of that many CPU
-processes: `autopar.parallelize` (the planner when the mesh is `world_size=N`), three AdamW
-steps on the global batch, the global gradient norm of the first step, and the full state
-dict after the steps (`autopar.export_state_dict`, parameters and buffers such as batch-norm
-statistics); then the same steps on one process with the same seed and batches. Each mesh
-gets its own world, so a failure is that mesh's alone. In the same world every mesh also
-runs from a meta build (each rank materializing only its part, from the modules' own init or
-the seed's state dict) and must match the same reference. The tiny model is captured once in
-this process before the worlds fork (`autopar.capture_cache`: the meta and the real build, in
-every rank, reuse that graph; each rank still materializes, plans, rewrites and trains on its
-own). Rank 0 writes `model.dump()` and the
+`parity(row)` runs, for each of the row's meshes, on a gloo world of that many CPU processes:
+`autopar.parallelize` (the planner when the mesh is `world_size=N`), three AdamW steps on the
+global batch, the global gradient norm of the first step, and the full state dict after the
+steps (`autopar.export_state_dict`, parameters and buffers such as batch-norm statistics);
+then the same steps on one process with the same seed and batches. The meshes of one world
+size run one after another in one world (each from a fresh model, seed and plan); if that
+world fails, each of its meshes runs again in a world of its own, so a failure is that
+mesh's alone. In the same world every mesh also runs from a meta build (each rank
+materializing only its part, from the modules' own init or the seed's state dict) and must
+match the same reference. The tiny model is captured once in this process before the worlds
+fork, also as the joint planner captures it for a `world_size` mesh (`autopar.capture_cache`:
+the meta and the real build, in every rank, reuse those graphs; each rank still
+materializes, plans, rewrites and trains on its own). Rank 0 writes `model.dump()` and the
 plan text; every rank its program.
 
 `plan_real(row)` builds the row at its published size on the meta device, captures it and
@@ -41,6 +43,12 @@ import torch
 from autopar.models import zoo
 
 STEPS, BATCH, SEQ, LR, EPS = 3, 8, 16, 1e-2, 1e-6
+# fp32 "param" 1e-4: on this CPU (2026-11-26, torch 2.13, AVX-512) the hf-llama / hf-mistral tiny rows
+# one-process floor (these STEPS, BATCH, SEQ, LR, EPS) is 3.1e-5 with the batch split in 2 (dp=2's
+# order), 3.4e-5 from fp64 and 6.4e-5 with every Linear's contraction summed in 2 halves (tp=2's
+# order): AdamW's m / sqrt(v) turns last-bit differences of near-zero gradients into lr-sized steps,
+# and dp2 x tp2 measured 1.42e-4. Those two rows therefore train in fp64 (1e-14 off on every mesh,
+# models/zoo.py), where a real bug cannot hide under rounding; the other fp32 rows pass at 1e-4.
 TOLERANCES = {"float32": {"loss": 1e-5, "grad_norm_rel": 1e-5, "param": 1e-4},
               "float64": {"loss": 1e-6, "grad_norm_rel": 1e-9, "param": 1e-6}}
 
@@ -62,6 +70,7 @@ class MeshResult:
     dump_files: list = field(default_factory=list)
     seconds: float = 0.0
     from_meta: bool = False  # this mesh also ran from a meta build, with the same result
+    shared_world_error: str = ""  # the row's shared world failed (then this mesh ran in its own world)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,26 +158,53 @@ def _reference(name: str, style: str):
     return losses, norm, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _capture_before_fork(name: str, style: str) -> None:
+def _capture_before_fork(name: str, style: str, search_worlds=()) -> None:
     """Capture the row's tiny model here, as every rank's `parallelize` captures it: ranks
     forked from this process then find the graph in `autopar.capture_cache` instead of each
-    tracing it again (2 captures a rank, 4 ranks a world, one world a mesh). Ranks started by
-    a fork server (a GPU build of torch) capture it themselves."""
+    tracing it again (2 captures a rank, 4 ranks a world). `search_worlds`: the world sizes of
+    the row's `world_size` meshes, whose joint planner captures for its search (a symbolic
+    sequence: `capture_for_search`), captured too. Nothing is captured where ranks do not fork
+    from this process (a GPU build of torch starts them from a fork server: each captures)."""
+    from autopar.capture import capture_for_search  # noqa: PLC0415
+    from autopar.runtime.launch import default_start_method  # noqa: PLC0415
+
+    if (os.environ.get("AUTOPAR_START_METHOD") or default_start_method("gloo")) != "fork":
+        return
     from autopar import capture  # noqa: PLC0415
     sp = zoo.spec(name, "tiny", style)
     x0, _ = sp.example_batch(BATCH, seq_len=SEQ, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     model = sp.build()
-    if isinstance(x0, dict):
-        capture(model, (), example_kwargs=dict(x0))
-    else:
-        capture(model, tuple(x0) if isinstance(x0, (tuple, list)) else (x0,))
+    args, kwargs = ((), dict(x0)) if isinstance(x0, dict) else (tuple(x0) if isinstance(x0, (tuple, list)) else (x0,), {})
+    try:
+        capture(model, args, example_kwargs=kwargs)
+        for n in search_worlds:
+            capture_for_search(model, args, n, example_kwargs=kwargs)
+    except Exception:  # noqa: BLE001 - only a speed-up: the ranks report any real failure
+        pass
+
+
+def _run_cells(rank: int, ws: int, cells: list) -> list:
+    """Several meshes of one world size in one world, one after another: [(seconds, _run_rank's
+    answer)] per cell. A rank that raises fails the world (the caller then runs each cell alone)."""
+    out = []
+    for cell in cells:
+        t0 = time.perf_counter()
+        res = _run_rank(rank, ws, *cell)
+        out.append((time.perf_counter() - t0, res))
+    return out
 
 
 def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: float = 300.0,
-           style: str = "positional") -> list[MeshResult]:
+           style: str = "positional", shared_world: bool = True) -> list[MeshResult]:
     """Every mesh of the row (or `meshes`: [(mesh kwargs, parallelize options)]) against one process;
-    `style="labels"` feeds `{"input_ids", "labels"}` and trains on the model's own loss."""
+    `style="labels"` feeds `{"input_ids", "labels"}` and trains on the model's own loss.
+
+    `shared_world`: the meshes of one world size run in one world, one after another (a fresh
+    world costs its ranks' first build: measured about twice the row's time under load);
+    should that world fail, each of its meshes runs again in its own world, so that a failure
+    is still that mesh's alone, and `MeshResult.shared_world_error` keeps what the shared
+    world said. False: one world per mesh."""
     from autopar.runtime.launch import run_world  # noqa: PLC0415
 
     row = zoo.get(name)
@@ -176,46 +212,73 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
     if why:
         raise zoo.RowUnavailable(f"{name}: {why}")
     tol = TOLERANCES[row.dtype]
-    ref_losses, ref_norm, ref_sd = _reference(name, style)
-    _capture_before_fork(name, style)
-    out = []
+    ref = _reference(name, style)
     todo = list(meshes if meshes is not None else row.meshes)
     also_meta = meshes is None  # every mesh of the row also runs from a meta build, in the same world
+    _capture_before_fork(name, style, sorted({int(a["world_size"]) for a, _o in todo if "world_size" in a}))
+    cells, dumps = [], []
     for asked, opts in todo:
-        r = MeshResult(name, dict(asked), tolerances=dict(tol))
         tag = "_".join(f"{k}{v}" for k, v in asked.items())
-        dump_dir = os.path.join(dump_root, name, tag) if dump_root else None
-        t0 = time.perf_counter()
-        try:
-            res = run_world(_world_size(asked), _run_rank, name, dict(asked), dict(opts), dump_dir, style,
-                            also_meta, timeout_s=timeout_s, collective_timeout_s=60.0)
-        except Exception as e:  # noqa: BLE001 - reported per mesh, the row goes on
-            r.error = "".join(traceback.format_exception_only(type(e), e))
-            r.seconds = time.perf_counter() - t0
-            out.append(r)
-            continue
-        r.seconds = time.perf_counter() - t0
-        losses, norm, sd, r.mesh, r.plan_text, _, meta = res[0]
-        r.dump_files = sorted({os.path.basename(f) for *_x, files, _m in res for f in files})
-        r.loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        r.grad_norm_rel = abs(norm - ref_norm) / max(abs(ref_norm), 1e-30)
-        worst, r.missing = ("", 0.0), sorted(k for k in ref_sd if k not in sd)
-        for k, v in ref_sd.items():
-            if k in sd and v.is_floating_point():
-                d = float((sd[k].double() - v.double()).abs().max()) if v.numel() else 0.0
-                if d > worst[1] or not worst[0]:
-                    worst = (k, d)
-        r.worst_param, r.param_diff = worst
-        r.error = _mismatch(losses, ref_losses, norm, ref_norm, sd, ref_sd, tol, r.missing)
-        if meta is not None and not r.error:
-            r.from_meta = True
-            m_losses, m_norm, m_sd = meta
-            bad = _mismatch(m_losses, ref_losses, m_norm, ref_norm, m_sd, ref_sd, tol,
-                            sorted(k for k in ref_sd if k not in m_sd))
-            r.error = f"built on meta (autopar.ModuleInit): {bad}" if bad else ""
-        r.ok = not r.error
+        dumps.append(os.path.join(dump_root, name, tag) if dump_root else None)
+        cells.append((name, dict(asked), dict(opts), dumps[-1], style, also_meta))
+    answers: list = [None] * len(todo)  # per mesh: (seconds, per-rank results) or (seconds, exception)
+    shared_error = [""] * len(todo)
+    by_size: dict[int, list[int]] = {}
+    for i, (asked, _opts) in enumerate(todo):
+        by_size.setdefault(_world_size(asked), []).append(i)
+    for ws, idx in by_size.items():
+        if shared_world and len(idx) > 1:
+            try:
+                res = run_world(ws, _run_cells, [cells[i] for i in idx], timeout_s=timeout_s * len(idx),
+                                collective_timeout_s=60.0)
+            except Exception as e:  # noqa: BLE001 - each mesh then runs alone below
+                for i in idx:
+                    shared_error[i] = "".join(traceback.format_exception_only(type(e), e))
+            else:
+                for j, i in enumerate(idx):
+                    answers[i] = (res[0][j][0], [per_rank[j][1] for per_rank in res])
+                continue
+        for i in idx:
+            t0 = time.perf_counter()
+            try:
+                res = run_world(ws, _run_rank, *cells[i], timeout_s=timeout_s, collective_timeout_s=60.0)
+            except Exception as e:  # noqa: BLE001 - reported per mesh, the row goes on
+                res = e
+            answers[i] = (time.perf_counter() - t0, res)
+    out = []
+    for i, (asked, _opts) in enumerate(todo):
+        r = MeshResult(name, dict(asked), tolerances=dict(tol), shared_world_error=shared_error[i])
+        r.seconds, res = answers[i]
+        if isinstance(res, Exception):
+            r.error = "".join(traceback.format_exception_only(type(res), res))
+        else:
+            _compare(r, res, ref, tol)
         out.append(r)
     return out
+
+
+def _compare(r: MeshResult, res: list, ref: tuple, tol: dict) -> None:
+    """Fill `r` from the ranks' answers for one mesh against the one-process reference."""
+    ref_losses, ref_norm, ref_sd = ref
+    losses, norm, sd, r.mesh, r.plan_text, _, meta = res[0]
+    r.dump_files = sorted({os.path.basename(f) for *_x, files, _m in res for f in files})
+    r.loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    r.grad_norm_rel = abs(norm - ref_norm) / max(abs(ref_norm), 1e-30)
+    worst, r.missing = ("", 0.0), sorted(k for k in ref_sd if k not in sd)
+    for k, v in ref_sd.items():
+        if k in sd and v.is_floating_point():
+            d = float((sd[k].double() - v.double()).abs().max()) if v.numel() else 0.0
+            if d > worst[1] or not worst[0]:
+                worst = (k, d)
+    r.worst_param, r.param_diff = worst
+    r.error = _mismatch(losses, ref_losses, norm, ref_norm, sd, ref_sd, tol, r.missing)
+    if meta is not None and not r.error:
+        r.from_meta = True
+        m_losses, m_norm, m_sd = meta
+        bad = _mismatch(m_losses, ref_losses, m_norm, ref_norm, m_sd, ref_sd, tol,
+                        sorted(k for k in ref_sd if k not in m_sd))
+        r.error = f"built on meta (autopar.ModuleInit): {bad}" if bad else ""
+    r.ok = not r.error
 
 
 def _mismatch(losses, ref_losses, norm, ref_norm, sd, ref_sd, tol, missing) -> str:

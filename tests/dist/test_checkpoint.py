@@ -35,7 +35,7 @@ from autopar import checkpoint_api as api
 from autopar import models
 from autopar.runtime import checkpoint as ck
 from autopar.runtime import checkpoint_files as files
-from harness import world
+from harness import capture_before_fork, world
 
 MODEL = "gpt-tiny-tied"
 H100 = {"hardware": "h100-sxm"}  # gloo's profile would (rightly) replicate a tiny model at tp=4
@@ -182,10 +182,13 @@ def _llama(seed: int):
         num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
 
 
+def _llama_ids():
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+
+
 def _import_transformers(root):
     """A transformers checkpoint directory (save_pretrained) into a tp=2 Llama, piece by piece."""
-    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
-    pm = autopar.parallelize(_llama(seed=1), autopar.mesh(tp=2), example_inputs=(ids,), **H100)
+    pm = autopar.parallelize(_llama(seed=1), autopar.mesh(tp=2), example_inputs=(_llama_ids(),), **H100)
     opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
     src = _CountingSource(f"{root}/hf")
     names = api.import_state_dict(pm, src)
@@ -234,6 +237,9 @@ def runs(tmp_path_factory):
     torch.manual_seed(7)
     ck.write_state_dict(_spec().build().state_dict(), f"{root}/init.safetensors")
     _llama(seed=2).save_pretrained(f"{root}/hf")  # model.safetensors + config.json
+    # each structure the ranks parallelize, captured once here: the forked ranks reuse the graph
+    capture_before_fork(_model(), _batch(0)[0])
+    capture_before_fork(_llama(seed=1), (_llama_ids(),))
     two = world(2, _save_dp2_zero3, root)
     four = world(4, _four_ranks, root)
     return root, two, four

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import autopar
 from autopar import checkpoint_api as ckpt
 from autopar import models
-from harness import world
+from harness import capture_before_fork, world
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,6 +90,9 @@ def _hang(rank, ws, flags):
 
 
 def test_a_rank_that_stops_answering_is_named_by_every_other_rank_within_bounded_time(tmp_path):
+    spec = models.get("gpt-tiny")
+    (x,), _y = spec.example_batch(8, generator=torch.Generator().manual_seed(1))
+    capture_before_fork(spec.build(), (x,))  # the ranks reuse this graph instead of each tracing it
     res = world(4, _hang, str(tmp_path), timeout_s=180)
     assert res[2] == {"rank": 2, "stopped": True}
     for r in (0, 1, 3):

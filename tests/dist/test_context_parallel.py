@@ -174,6 +174,7 @@ def results():
     for name, packed, cp in sorted({(c[1], "packed" in c[0], "cp" in c[2]) for c in CELLS}):
         model = _build(name)
         capture_before_fork(model, _batches(_vocab(model), packed)[0][0], cp=cp)
+    capture_before_fork(_build("gpt"), torch.randint(0, 16, (2, 8)), cp=True)  # the "cp x pp" refusal's capture
     return world(4, _world, timeout_s=600)
 
 

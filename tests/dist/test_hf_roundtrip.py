@@ -5,8 +5,14 @@ only its slices under ZeRO-3, dp x tp, pp x dp and dp x ep; three AdamW steps; t
 `autopar.save_pretrained` writes the result and plain transformers loads it: its logits equal
 those of one process trained the same way.
 
-Tolerances (fp32): logits 1e-4 absolute and relative (the sharded sums change the order of
-additions; AdamW at lr 1e-2 amplifies ulps over three steps); losses 1e-5 absolute."""
+The Llama cells run in fp64 (checkpoint, training, saved checkpoint), where sharding leaves
+nothing but the order of additions: losses and logits within 1e-9. In fp32 that order alone is
+as far off as the parallel run: one process with the batch split in 2 (dp=2), every Linear's
+contraction summed in 2 halves (tp=2), or in fp64, moves the eval logits by 1.2e-5, 8.2e-5 and
+6.8e-5 after the three steps (AdamW lr 1e-2 turns last-bit gradient differences into lr-sized
+steps), and dp2 x tp2 missed the old fp32 bound (1e-4) by a hair (1.35e-4). Qwen3-MoE stays
+fp32 (transformers' grouped experts call torch._grouped_mm, which takes no fp64): logits 1e-4
+absolute and relative, losses 1e-5 absolute."""
 import os
 
 import pytest
@@ -19,6 +25,9 @@ from harness import world
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, STEPS, VOCAB = 8, 16, 3, 128
+DTYPE = {"llama": torch.float64, "qwen3-moe": torch.float32}
+TOL = {torch.float64: {"loss": dict(rtol=0, atol=1e-9), "logits": dict(rtol=1e-9, atol=1e-9)},
+       torch.float32: {"loss": dict(rtol=0, atol=1e-5), "logits": dict(rtol=1e-4, atol=1e-4)}}
 CELLS = [  # (architecture, mesh, parallelize options)
     ("llama", {"dp": 4}, {"zero_stage": 3}),
     ("llama", {"dp": 2, "tp": 2}, {"hardware": "h100-sxm"}),
@@ -38,7 +47,7 @@ def _config(arch):
 
 def _build(arch):
     cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen3MoeForCausalLM
-    return cls(_config(arch))
+    return cls(_config(arch)).to(DTYPE[arch])
 
 
 def _logits(out):
@@ -57,6 +66,7 @@ def _batches():
 
 def _reference(arch, src):
     model = transformers.AutoModelForCausalLM.from_pretrained(src)
+    assert all(p.dtype == DTYPE[arch] for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     *train, (x_eval, _) = _batches()
     losses = []
@@ -79,6 +89,7 @@ def _cells(rank, ws, sources, out_root):
         pm = autopar.parallelize(model, autopar.mesh(**mesh_kw), example_inputs=(train[0][0],),
                                  weights=sources[arch], **opts)
         assert not any(t.is_meta for t in pm.program.parameters())
+        assert all(t.dtype == DTYPE[arch] for t in pm.program.parameters())
         opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-2)
         losses = []
         for x, y in train:
@@ -92,6 +103,7 @@ def _cells(rank, ws, sources, out_root):
             files = sorted(os.listdir(out))
             assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
             loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+            assert all(p.dtype == DTYPE[arch] for p in loaded.parameters())
             with torch.no_grad():
                 logits = _logits(loaded(x_eval))
         results.append((losses, logits))
@@ -108,10 +120,13 @@ def test_hf_checkpoint_to_meta_parallel_training_to_hf_checkpoint_matches_one_pr
     results = world(4, _cells, sources, str(tmp_path / "out"), timeout_s=900)
     for i, (arch, mesh_kw, _opts) in enumerate(CELLS):
         ref_losses, ref_logits = refs[arch]
+        tol = TOL[DTYPE[arch]]
         for rank, per_rank in enumerate(results):
             losses, logits = per_rank[i]
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5,
+            f64 = lambda v: torch.tensor(v, dtype=torch.float64)
+            torch.testing.assert_close(f64(losses), f64(ref_losses), **tol["loss"],
                                        msg=lambda m: f"{arch} {mesh_kw} rank {rank} losses: {m}")
             if rank == 0:
-                torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4,
+                assert logits.dtype == ref_logits.dtype == DTYPE[arch]
+                torch.testing.assert_close(logits, ref_logits, **tol["logits"],
                                            msg=lambda m: f"{arch} {mesh_kw} logits after save_pretrained: {m}")

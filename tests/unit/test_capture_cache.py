@@ -1,6 +1,7 @@
 """The capture memo (autopar/capture_cache.py): a second capture of the same structure reuses
 the graph, bound to the second model's own tensors; anything the graph may depend on misses."""
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar import capture_cache
+from autopar.capture import capture
 
 
 class Net(nn.Module):
@@ -242,3 +244,54 @@ def test_counts_tell_hits_from_misses():
     autopar.capture(_fresh(), (ids,))
     after = capture_cache.counts()
     assert (after["hits"] - before["hits"], after["misses"] - before["misses"], after["entries"]) == (1, 1, 1)
+
+
+# two structures the memo used to miss in every forked rank of the zoo (helper-35): hf-gemma's
+# functools.partial activation and hf-falcon's tensor constant that torch.export lifts into the graph
+class _Gelu(nn.Module):
+    def __init__(self, approximate="tanh"):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = functools.partial(F.gelu, approximate=approximate)  # a new object per instance
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+class _Lifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor([2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])  # a constant export lifts
+
+
+def test_two_instances_with_equal_partials_share_a_capture_and_another_keyword_does_not():
+    capture_cache.clear()
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    capture(_Gelu(), (x,))
+    before = capture_cache.counts()
+    torch.manual_seed(1)
+    m2 = _Gelu()
+    gm = capture(m2, (x,))
+    assert capture_cache.counts()["hits"] == before["hits"] + 1
+    torch.testing.assert_close(gm(x)[0] if isinstance(gm(x), (tuple, list)) else gm(x), m2(x), atol=0, rtol=0)
+    capture(_Gelu(approximate="none"), (x,))
+    assert capture_cache.counts()["misses"] == before["misses"] + 1  # the keyword is in the key
+
+
+def test_a_lifted_tensor_constant_is_kept_with_the_graph_so_a_second_instance_hits():
+    capture_cache.clear()
+    x = torch.randn(4, 8)
+    gm1 = capture(_Lifted(), (x,))
+    lifted = [n for n, _b in gm1.named_buffers() if n not in dict(_Lifted().named_buffers())]
+    assert lifted, "the graph holds a constant the model does not"
+    before = capture_cache.counts()
+    torch.manual_seed(1)
+    m2 = _Lifted()
+    gm2 = capture(m2, (x,))
+    assert capture_cache.counts()["hits"] == before["hits"] + 1, (lifted, capture_cache.counts())
+    out = gm2(x)
+    torch.testing.assert_close(out[0] if isinstance(out, (tuple, list)) else out, m2(x), atol=0, rtol=0)
