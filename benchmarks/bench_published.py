@@ -1,6 +1,6 @@
 """autopar's cost model against published training figures of large public runs, row by row.
 
-    python benchmarks/bench_published.py [--only ROW] [--no-planner]
+    python benchmarks/bench_published.py [--only ROW] [--no-planner] [--breakdown]
 
 For each row the published model is built on the meta device, captured (`autopar.capture`),
 and its PUBLISHED parallel configuration is costed by the joint planner with every published
@@ -371,10 +371,33 @@ def print_table(results: list[dict]) -> None:
             print(f"note {key}: the planner found no plan: {r['planner_error']}")
 
 
+def breakdown(r: dict) -> str:
+    """One line of where the pinned plan's predicted step goes: the busiest rank's compute
+    (recompute included), the pipeline bubble, each axis's exposed communication, the optimizer,
+    and the stage split (units per stage, fewest-most) with its recomputed blocks."""
+    p = r["plan"].predicted
+    comm = ", ".join(f"{a} {v.get('exposed_s', 0.0):.3g} s" for a, v in sorted((p.get("comm_per_axis") or {}).items()))
+    plan = r["plan"]
+    sizes = []
+    if plan.split_points:
+        from autopar.passes.split_pipeline import pipeline_units
+        names = [u.name for u in pipeline_units(build_and_capture(r["row"]))]  # the row's graph (cached)
+        starts = [0] + [names.index(x) for x in plan.split_points] + [len(names)]
+        sizes = [b - a for a, b in zip(starts, starts[1:])]
+    rc = plan.recompute
+    n_rc = len(rc) if isinstance(rc, dict) else 0
+    split = (f"; units per stage {min(sizes)}-{max(sizes)}" if sizes else "") + (f"; {n_rc} blocks recomputed" if n_rc else "")
+    return (f"breakdown {r['row'].key}: step {p['step_s']:.4g} s = compute {p['compute_s']:.4g} s (recompute "
+            f"{p.get('recompute_s', 0.0):.3g} s) with bubble {p.get('bubble', 0.0):.1%}; exposed comm: {comm or '-'}; "
+            f"optimizer {p.get('optimizer_s', 0.0):.3g} s{split}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(ROWS), action="append", help="run only this row (repeatable)")
     ap.add_argument("--no-planner", action="store_true", help="cost the published plans only")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="after the table, where each pinned plan's predicted step goes (compute, bubble, comm)")
     ap.add_argument("--pp-virtual", type=int, default=None, metavar="V",
                     help="pin the virtual stages per rank of the interleaved rows (default: searched)")
     a = ap.parse_args(argv)
@@ -385,7 +408,12 @@ def main(argv=None) -> None:
             continue
         results.append(cost_row(row, planner=not a.no_planner, pp_virtual=a.pp_virtual))
         print(f"  {key}: done in {results[-1]['seconds']:.1f} s", flush=True)
+        if a.breakdown and "plan" in results[-1]:
+            results[-1]["breakdown"] = breakdown(results[-1])  # while the row's graph is the captured one
     print_table(results)
+    for r in results:
+        if r.get("breakdown"):
+            print(r["breakdown"])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ output gradients + input gradients + saved tensors. The step estimate, the searc
 `layout_divisors(gc, plan)`: the tensor-parallel plug-in. `Plan.node_layouts` maps a node key
 to its output layout; a node's compute is divided by the sizes of the axes where its output
 is Shard or Partial, its new storages by those where it is Shard (the dp axis is ignored:
-graph shapes are already per dp rank).
+graph shapes are already per dp rank). A buffer the op makes for backward per element of its output
+(`cost.saved.New` tags in `PER_OUTPUT_ELEMENT`: dropout mask, norm statistics, logsumexp ...)
+is divided like the output: under sequence parallelism a dropout mask is sbh/t bytes per
+layer, not sbh (Korthikanti et al. 2022, section 4.2.2, the 34 sbh/t of selective recompute);
+other buffers (a copy of an input, an attention bias) stay whole.
 
 Reads no node.meta (only `cost.analyze`'s NodeCosts). Deterministic; `NodeTimer` memoises per
 (cost, divisor), so one timer serves one set of symbol values.
@@ -33,7 +37,14 @@ from .hardware import Hardware
 from .placements import Partial, Shard
 from .symbolic import evaluate
 
-__all__ = ["NodeTimer", "layout_divisors"]
+__all__ = ["NodeTimer", "layout_divisors", "PER_OUTPUT_ELEMENT"]
+
+# `cost.saved.New` tags of buffers made per element (or per row, per head) of the op's output:
+# a rank that computes a shard of the output makes only its shard of them. The others (a copy
+# of an input made to flatten it, an attention bias, batch-norm statistics per channel) follow
+# an input or a dimension the output's sharding need not split: they stay whole.
+PER_OUTPUT_ELEMENT = frozenset({"dropout_mask", "mean", "rstd", "logsumexp", "q_scaled", "k_scaled", "attn_probs",
+                                "attn_dropout_mask", "attn_dropped", "v_bmm", "x_fp32", "normed", "original_self"})
 
 
 class NodeTimer:
@@ -138,5 +149,9 @@ def layout_divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], d
         comp[n.index] = cd
         for k in n.new_storages:
             mem[k] = md
+        if md > 1:  # the buffers it makes for backward per element it computes: sharded as it is
+            for k, _nb, tag in n.saved:
+                if tag in PER_OUTPUT_ELEMENT and isinstance(k, tuple) and k[:1] == ("new",):
+                    mem[k] = md
     return comp, mem
 

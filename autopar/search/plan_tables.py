@@ -15,18 +15,16 @@ search over thousands of candidates on a 70B graph costs seconds:
                    applies them), the parameters' layouts, and the conversions the shard pass
                    will insert (one per producer, placement and partial gradient).
   per (t, b, cp)   for every pipeline unit at b rows per micro-batch (s / cp tokens a row,
-                   `search.plan_context`): forward and backward
-                   seconds (cost.estimate's roofline timer, TP divisors applied), the tensor-
-                   parallel conversions at b rows (blocking, half forward, half backward),
-                   saved-activation bytes (TP-divided; each storage charged to the unit that
-                   saves it first), FLOPs, the bytes crossing each unit boundary, and the
-                   liveness walk's working set beyond the saved tensors (gradients of
-                   activations, the logits ...; `cost.liveness`, exact at 1 row and at the
-                   most rows, the chord in between: an overestimate, the peak being convex).
-                   Identical blocks are costed once; every node's forward and backward
-                   seconds too (`node_fwd`, `node_bwd`, without the tp conversions: what
-                   `search.plan_rank` walks for one-stage plans). `optimistic_units`: the same times with
-                   every node's work divided by t, without the ILP (for the bounds).
+                   `search.plan_context`): forward and backward seconds (cost.estimate's
+                   roofline timer, TP divisors applied), the tensor-parallel conversions at b
+                   rows (blocking, half forward, half backward), saved-activation bytes
+                   (TP-divided; each storage charged to the unit that saves it first), FLOPs,
+                   the bytes crossing each unit boundary (one tp rank's shard when sharded), and
+                   the liveness walk's working set beyond the saved tensors (`cost.liveness`,
+                   exact at 1 row and at the most rows, the chord in between: an overestimate,
+                   the peak being convex). Identical blocks are costed once; every node's
+                   seconds too (`node_fwd`, `node_bwd`, no tp conversions: what `search.plan_rank`
+                   walks). `optimistic_units`: every node's work divided by t (for the bounds).
   per (t, z, d, e) model states per unit (`cost.memory.plan_states`, the count cost.estimate
                    uses, with the TP layouts and the plan's precision: params at param_dtype,
                    masters only when master_dtype differs, gradients as the engine keeps them,
@@ -45,9 +43,8 @@ search over thousands of candidates on a 70B graph costs seconds:
 node.meta: reads `val` of the placeholders (the captured rows of a batch, the tokens in a row)
 and otherwise reads node.meta only through `cost.analyze`, `passes.ir` and the sharding rules
 (`passes.split_pipeline`, `search.shard_tables`, `search.expert_detect`); writes nothing.
-Guarantees: deterministic (equal inputs give equal tables); a cached table is what computing
-it again would give (each depends only on its key and the constructor's arguments); the
-working set is never an underestimate.
+Guarantees: deterministic; a cached table is what computing it again would give (each depends
+only on its key and the constructor's arguments); the working set is never an underestimate.
 """
 from __future__ import annotations
 
@@ -79,7 +76,7 @@ from autopar.search.expert_detect import detect_moe
 from autopar.search.plan_context import ContextTables
 from autopar.search.plan_rank import RankTables
 from autopar.search.shard_tables import ShardInfo, shard_info
-from autopar.search.stages import cross_bytes
+from autopar.search.stage_costs import boundary_divisors, cross_bytes
 
 __all__ = ["CATEGORIES", "PlanTables", "ShardInfo", "UnitCosts", "UnitStates", "resolve_precision"]
 
@@ -349,7 +346,7 @@ class PlanTables(ContextTables, RankTables):
                     tm = memo[k2] = conversion_time(src, dst, pg, nb, link, t, self.hw.kernel_overhead_s)
                 tpc[unit] += tm
                 tp_bytes[unit] += conversion_bytes(src, dst, pg, nb, t)
-        cross = self.cross(rows, cp)
+        cross = self.cross(rows, cp, t)
         cross_in = np.concatenate([[0.0], cross])
         rc_save = np.where(self.blocks > 0, np.maximum(act - cross_in, 0.0), 0.0)
         rc_time = np.where(self.blocks > 0, fwd + tpc / 2, 0.0)
@@ -368,21 +365,25 @@ class PlanTables(ContextTables, RankTables):
         sympy Symbol)."""
         return self.values_at({"b": rows} if self.symbolic_batch else {}, cp)
 
-    def cross(self, rows: int, cp: int = 1) -> np.ndarray:
-        """Bytes crossing each unit boundary at `rows` per micro-batch and s / cp tokens."""
-        if cp == 1:
+    def cross(self, rows: int, cp: int = 1, t: int = 1) -> np.ndarray:
+        """Bytes crossing each unit boundary on one rank at `rows` per micro-batch, s / cp tokens
+        and tp = t: a boundary tensor sharded on tp (sequence parallel) counts the shard each
+        rank sends and keeps (`search.stage_costs.boundary_divisors`)."""
+        if cp == 1 and t == 1:
             return self.cross_c0 + self.cross_c1 * rows
-        key = ("cross", cp)
+        key = ("cross", cp, t)
         hit = self._split_cache.get(key)
         if hit is None:
             units = pipeline_units(self.gm)
-            at = lambda b: np.array(cross_bytes(self.gm, self.gc, units, {"b": b, "s": self.seq_len() // cp}, 1.0))  # noqa: E731
+            div = boundary_divisors(self.gc, self.sharding(t).mem_div) if t > 1 else None
+            seq = {"s": self.seq_len() // cp} if cp > 1 else {}
+            at = lambda b: np.array(cross_bytes(self.gm, self.gc, units, {"b": b, **seq}, 1.0, div))  # noqa: E731
             if self.symbolic_batch:
                 one, two = at(1), at(2)
                 hit = (2 * one - two, two - one)
             else:
                 hit = (np.zeros(max(self.L - 1, 0)), np.array(cross_bytes(
-                    self.gm, self.gc, units, {"s": self.seq_len() // cp}, 1.0)) / (self.captured_rows or 1))
+                    self.gm, self.gc, units, seq, 1.0, div)) / (self.captured_rows or 1))
             self._split_cache[key] = hit
         return hit[0] + hit[1] * rows
 

@@ -8,7 +8,8 @@ seconds per micro-batch, bytes saved for backward, the model states of the param
 what a pipeline rank holds besides: the logits the loss reads, each parameter's flat gradient
 bucket (dp below ZeRO-3) and its optimizer update's temporary. `count_chain(gm)` is the
 fallback for graphs the cost model cannot cost (node counts). `cross_bytes` is shared with the
-joint planner's tables.
+joint planner's tables; with `boundary_divisors` it counts one tp rank's shard of a sharded
+boundary tensor.
 
 Reads what `autopar.cost` and `passes.split_pipeline` read; writes no node.meta.
 Deterministic.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -27,7 +28,7 @@ from autopar.cost.memory import OptimizerSpec, device_resident, loss_output_byte
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import Unit, pipeline_units
 
-__all__ = ["LayerCost", "Chain", "layer_costs", "count_chain", "cross_bytes"]
+__all__ = ["LayerCost", "Chain", "layer_costs", "count_chain", "cross_bytes", "boundary_divisors"]
 
 
 @dataclass(frozen=True)
@@ -247,9 +248,13 @@ def _step_bytes(gc: GraphCost, hw, optimizer, zero_stage: int, dp: int, master_d
             for name, row in sb.per_param.items()}
 
 
-def cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dict, scale: float) -> list[float]:
-    """Bytes of the tensors that cross each unit boundary (made before it, read after it)."""
+def cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dict, scale: float,
+                divisor: Mapping[str, float] | None = None) -> list[float]:
+    """Bytes of the tensors that cross each unit boundary (made before it, read after it), on
+    one rank: a tensor whose node is in `divisor` (node name -> how many ranks share it, from
+    `boundary_divisors`) counts 1 / divisor of its bytes, the shard that rank sends and holds."""
     L = len(units)
+    divisor = divisor or {}
     unit_of = {name: i for i, u in enumerate(units) for name in u.nodes}
     values = gc.values(sizes or None)
     diff = [0.0] * (L + 1)
@@ -272,11 +277,25 @@ def cross_bytes(gm: fx.GraphModule, gc: GraphCost, units: list[Unit], sizes: dic
         numel = 1
         for d in gc.symbols.shape(v.shape):
             numel = numel * d
-        nbytes = float(evaluate(numel * v.dtype.itemsize, values)) * scale
+        nbytes = float(evaluate(numel * v.dtype.itemsize, values)) * scale / divisor.get(n.name, 1)
         diff[lo] += nbytes
         diff[last] -= nbytes
     out, run = [], 0.0
     for i in range(L - 1):
         run += diff[i]
         out.append(run)
+    return out
+
+
+def boundary_divisors(gc: GraphCost, storage_divisor: Mapping[Any, float]) -> dict[str, float]:
+    """Node name -> the memory divisor of its first output's storage (`cost.node_time.
+    layout_divisors`), for `cross_bytes`: under sequence parallelism the hidden state between
+    two layers is S(seq) on tp, so each tp rank sends and keeps 2sbh / t bytes, not 2sbh
+    (as Megatron's pipeline does: Narayanan et al. 2021, section 4.1, scatter/gather)."""
+    out: dict[str, float] = {}
+    for n in gc.nodes:
+        if n.outputs:
+            d = storage_divisor.get(n.outputs[0].key, 1)
+            if d != 1:
+                out[n.name] = d
     return out
