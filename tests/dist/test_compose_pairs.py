@@ -93,6 +93,8 @@ CELLS = [  # (cell, model, mesh, parallelize keywords, what the program must hol
     ("rc x tie", "gpt-tied", dict(dp=4), dict(memory_budget=0.0), ["region"]),
     ("Z2 x pp", "gpt", dict(dp=2, pp=2), dict(zero_stage=2, n_microbatches=2), []),
     ("pp x fus", "gpt", dict(dp=2, pp=2), dict(n_microbatches=2, pins={"fusions": FUSIONS}), ["swiglu"]),
+    # micro-batches with tp and with recompute outside a pipeline (one stage: the program's own loop)
+    ("tp x rc x mb", "gpt", dict(dp=2, tp=2), dict(n_microbatches=2, memory_budget=0.3, **H100), ["tp", "region"]),
 ]
 
 
