@@ -361,7 +361,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             regions = regions_for(gc, dict(plan.recompute), dict(plan.extra.get("recompute_save") or {}))
             live = timeline(gc, regions, values, hardware=hw, param_grad_bytes=pg_bytes,
                             grads_preallocated=n_micro > 1, storage_divisor=mem_div, keep_points=False,
-                            loss=CROSS_ENTROPY)
+                            loss=CROSS_ENTROPY, compute_divisor=comp_div)
             recompute_s, recompute_flops = live.recompute_s * n_micro, live.recompute_flops * n_micro
             bwd_s += recompute_s
             step_s += recompute_s

@@ -109,7 +109,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
              hardware: Any = None, param_grad_bytes: Mapping[Any, float] | None = None,
              grads_preallocated: bool = False, storage_divisor: Mapping[Any, int] | None = None,
              segment_of: Sequence[int] | None = None, keep_points: bool = True,
-             loss: LossModel = GRAPH_ONLY) -> Timeline:
+             loss: LossModel = GRAPH_ONLY, compute_divisor: Mapping[int, float] | None = None) -> Timeline:
     """Walk forward, recomputations and backward (see the module docstring).
 
     Args:
@@ -119,6 +119,9 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         param_grad_bytes, grads_preallocated, storage_divisor, loss: as `memory.liveness`.
         segment_of: node index -> segment number (non-decreasing); fills `Timeline.segments`.
         keep_points: record every point (off: only the totals, faster).
+        compute_divisor: node index -> the share of its work one rank does (tensor parallelism:
+            `node_time.layout_divisors`), applied to the recomputed ops' time and FLOPs as
+            `estimate` applies it to the forward's.
     """
     regions = list(regions)
     vals = gc.values() if values is None else values
@@ -314,7 +317,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
             if timer is None:
                 timer = node_timer(gc, hardware, vals)
             f, s_, k_ = _recompute(r, i, nodes, new_of, producer, state, graph_inputs, alive, alloc, free,
-                                   point, count, re_release, ev, timer)
+                                   point, count, re_release, ev, timer, compute_divisor or {})
             re_flops, re_s, re_nodes = re_flops + f, re_s + s_, re_nodes + k_
         if n.has_grad_fn:
             gb.backward(n, lambda transient: point("backward", n.name, i, transient))  # noqa: B023 - called now
@@ -357,7 +360,7 @@ def _made_by(n, new_of, producer) -> list[Any]:
 
 
 def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_inputs, alive, alloc, free, point,
-               count, re_release, ev, timer) -> tuple[float, float, int]:
+               count, re_release, ev, timer, cdiv) -> tuple[float, float, int]:
     """Run region `r`'s nodes up to `stop` again; returns (FLOPs, seconds, nodes recomputed)."""
     seq = [j for j in sorted(r.nodes) if j < stop or (j == stop and stop_runs(nodes[j]))]
     cached = {k for j in r.save if j in seq for k in _made_by(nodes[j], new_of, producer)}
@@ -400,9 +403,10 @@ def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_input
         for k in free_at.get(j, ()):
             free(k)
         if j not in r.save:
-            flops += ev(n.cost.flops)
+            d = cdiv.get(n.index, 1)
+            flops += ev(n.cost.flops) / d
             if n.kind not in ("view", "none"):
-                secs += timer.node(n)[0]
+                secs += timer.node(n, d)[0]
                 done += 1
     for k in cached:  # cached outputs not read by the recomputation (after its stop)
         if count.get(k, 0) <= 0 and k not in last and k in alive:

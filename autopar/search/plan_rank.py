@@ -227,7 +227,8 @@ class RankTables:
             pg = {p.key: float(g) for p, g in zip(self.gc.params, param_grad) if p.key is not None and p.requires_grad}
             live = timeline(self.gc, regions_for(self.gc, {n: "full" for n in units}), self._values(rows, c.cp),
                             hardware=self.hw, param_grad_bytes=pg, grads_preallocated=c.micro > 1,
-                            storage_divisor=self.sharding(c.tp).mem_div, keep_points=False, loss=CROSS_ENTROPY)
+                            storage_divisor=self.sharding(c.tp).mem_div, keep_points=False, loss=CROSS_ENTROPY,
+                            compute_divisor=self.sharding(c.tp).comp_div)
             scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
             hit = self._split_cache[key] = (float(live.peak) * scale, float(live.recompute_s) * scale)
         return hit
