@@ -7,21 +7,13 @@ micro-batches are the published ones. No timings, no predicted values.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_published.py")
+from bench_module import load_bench
 
 
 def _bench():
-    if "bench_published" not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location("bench_published", _PATH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_published"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_published"]
+    return load_bench("bench_published")
 
 
 def test_row_costs_the_published_plan_and_reports_its_relative_error():

@@ -2,22 +2,13 @@
 the plan's own prediction (a Plan made here, no capture: the line is plain formatting)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 from autopar.passes.plan import Plan
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_published.py")
+from bench_module import load_bench
 
 
 def _bench():
-    if "bench_published" not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location("bench_published", _PATH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_published"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_published"]
+    return load_bench("bench_published")
 
 
 def test_breakdown_names_every_term_of_the_predicted_step():

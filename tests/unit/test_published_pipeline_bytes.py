@@ -13,10 +13,6 @@ places them.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import torch
 
 from autopar.capture import capture
@@ -28,16 +24,11 @@ from autopar.passes.split_pipeline import pipeline_units
 from autopar.search.shard_ilp import solve_sharding
 from autopar.search.stage_costs import boundary_divisors, cross_bytes
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_published.py")
+from bench_module import load_bench
 
 
 def _bench():
-    if "bench_published" not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location("bench_published", _PATH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["bench_published"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["bench_published"]
+    return load_bench("bench_published")
 
 
 def test_sequence_parallel_boundary_counts_one_tp_shard_per_rank():
