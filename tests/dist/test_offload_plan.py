@@ -17,13 +17,19 @@ import autopar
 from autopar.passes.plan import precision_fields
 from autopar.search.planner import RUNTIME_SUPPORT, _Search, candidates, clear_cache, plan_for
 from harness import world
+from reference_train import assert_within_move
 
 WS, BATCH, STEPS, LR = 2, 8, 3, 1e-2
 HW = "h100-sxm"
 # one process against two: the same bf16-mixed arithmetic on different batch splits (16-bit
-# GEMMs over 4 rows against 8, fp32 averaging): agreement to bf16 rounding, as
-# tests/dist/test_precision.py states for its recipe
-P_RTOL, P_ATOL, LOSS_RTOL, LOSS_ATOL = 2e-2, 2e-3, 8e-3, 1e-3
+# GEMMs over 4 rows against 8, fp32 averaging): losses to bf16 rounding, as
+# tests/dist/test_precision.py states for its recipe; parameters as tests/dist/test_compose_sp_mp.py
+# holds 16-bit runs (tests/reference_train.assert_within_move): each tensor within 30 % of the
+# distance the one-process run moved it (a legitimate batch split measured 6 % there, a missing dp
+# reduction 80-120 %). Elementwise bounds do not hold under a dp split: AdamW turns a bf16-rounded
+# near-zero gradient of the other sign into a full lr step (2 of 1,024 entries of 0.weight, 0.01
+# off, when the planner chose dp2 x ZeRO-3 with offload on 2026-11-26; it chose pp2 before).
+LOSS_RTOL, LOSS_ATOL, MP_PARAM = 8e-3, 1e-3, 0.30
 
 
 def _model() -> nn.Module:
@@ -68,7 +74,9 @@ def _offload_world(rank, ws, limit):
 
 
 def test_a_plan_that_fits_only_with_offload_is_chosen_and_trains_like_one_process():
-    gm = autopar.capture(_model(), (torch.zeros(BATCH, 16),))
+    # captured as parallelize captures an fp32 model asked for bf16-mixed: at the compute dtype
+    # (capture.py compute_dtype), so the planner here and in the world cost the same graph
+    gm = autopar.capture(_model(), (torch.zeros(BATCH, 16),), compute_dtype=torch.bfloat16)
     without, with_ = _least(gm, False), _least(gm, True)
     assert with_ < without
     limit = (without + with_) / 2
@@ -77,16 +85,16 @@ def test_a_plan_that_fits_only_with_offload_is_chosen_and_trains_like_one_proces
     assert plan.offload and plan.predicted["peak_bytes"] <= limit
     results = world(WS, _offload_world, limit)
     offload, mesh, notes, losses, full, _eng = results[0]
-    assert offload is True and mesh == plan.mesh  # (a 2-stage pipeline here: the states dominate)
+    assert offload is True and mesh == plan.mesh
     assert any(n.startswith("offload: chosen") for n in notes)
     assert all(r[5] and all(r[5]) for r in results)  # every rank's engine runs it
     _plan1, ref_losses, ref_full, ref_eng = _train(0, 1, autopar.mesh(dp=1), None, False)
     assert ref_eng == [False]
+    first = {k: v.detach().float() for k, v in _model().state_dict().items()}
     seen = set()
     for r in results:
         torch.testing.assert_close(r[3], ref_losses, rtol=LOSS_RTOL, atol=LOSS_ATOL)
         assert set(r[4]) <= set(ref_full)
-        for k in r[4]:
-            torch.testing.assert_close(r[4][k], ref_full[k], rtol=P_RTOL, atol=P_ATOL, msg=k)
+        assert_within_move(r[4], first, {k: ref_full[k] for k in r[4]}, MP_PARAM, f"offload plan {mesh}")
         seen |= set(r[4])
     assert seen == set(ref_full)  # every parameter compared on the rank that trains it
