@@ -36,6 +36,26 @@ def mesh_text(mesh: dict[str, int]) -> str:
     return ",".join(f"{a}={s}" for a, s in mesh.items())
 
 
+def _context_text(p) -> str:
+    """cp's size and the attention exchange the plan runs (ring / Ulysses), or "none"."""
+    cp = p.mesh.get("cp", 1)
+    if cp < 2:
+        return "none"
+    ctx = p.extra.get("context") if isinstance(p.extra, dict) else None
+    method = ctx.get("method") if isinstance(ctx, dict) else None
+    return f"cp={cp}, {method or 'auto'} attention exchange"
+
+
+def _expert_text(p) -> str:
+    """ep's size and the MoE blocks the plan spreads over it, or "none"."""
+    ep = p.mesh.get("ep", 1)
+    if ep < 2:
+        return "none"
+    spec = p.extra.get("expert") if isinstance(p.extra, dict) else None
+    blocks = spec.get("blocks") if isinstance(spec, dict) else None
+    return f"ep={ep}" + (f", {len(blocks)} MoE blocks" if blocks else ", MoE blocks found at build")
+
+
 def plan_tables(r: PlanResult, top: int = 1):
     p, pred = r.best.plan, r.best.predicted
     t = Table(title=f"autopar plan: {r.source.name} on {mesh_text(p.mesh)} ({r.hardware.name})", show_header=True)
@@ -49,6 +69,8 @@ def plan_tables(r: PlanResult, top: int = 1):
         ("tensor parallel", ", ".join(f"{a}={p.mesh[a]} ({len(s)} nodes placed)" for a, s in p.strategies.items())
          or "none"),
         ("sharded parameters", str(len(p.param_layouts))),
+        ("context parallel", _context_text(p)),
+        ("expert parallel", _expert_text(p)),
         ("pipeline", f"{len(p.split_points) + 1} stages, {p.schedule}, cuts before {', '.join(p.split_points)}"
          if p.split_points else "none"),
         ("recompute", ", ".join(f"{k} {v}" for k, v in p.recompute.items() if v != "none") or "none"),
