@@ -12,4 +12,4 @@ def test_the_context_and_expert_rows_name_the_axis_and_what_runs_on_it():
     assert _context_text(cp) == "cp=2, ulysses attention exchange"
     ep = Plan(mesh={"dp": 2, "ep": 4}, extra={"expert": {"axis": "ep", "blocks": {"layers.0.moe": {}, "layers.1.moe": {}}}})
     assert _expert_text(ep) == "ep=4, 2 MoE blocks"
-    assert _expert_text(Plan(mesh={"ep": 2})) == "ep=2, MoE blocks found at build"
+    assert _expert_text(Plan(mesh={"dp": 1, "ep": 2})) == "ep=2, MoE blocks found at build"
