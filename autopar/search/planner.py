@@ -70,6 +70,7 @@ Deterministic: equal inputs give equal plans (ties broken by the candidate's ord
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import importlib.util
 import math
@@ -171,9 +172,9 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
     key = cache_key(global_gm, world, hw, pins, limit, global_batch, top_k, optimizer, {**support, "precision": prec})
     cache_dir = cache_dir or os.environ.get("AUTOPAR_PLAN_CACHE")
     hit = _MEMO.get(key) or disk_get(cache_dir, key)
-    if hit is not None:
-        plan = Plan.from_dict(hit[0])
-        report = PlanReport.from_dict(hit[1])
+    if hit is not None:  # copies: a caller's edits (notes, extra) never reach the cache or another caller
+        plan = Plan.from_dict(copy.deepcopy(hit[0]))
+        report = PlanReport.from_dict(copy.deepcopy(hit[1]))
         report.search = {**report.search, "cached": True, "seconds": time.perf_counter() - t0}
         return plan, report
     decide = prec.get("offload") is None
@@ -207,7 +208,7 @@ def plan_for(global_gm: fx.GraphModule, world_size_or_mesh_sizes: int | Mapping[
     if has_router_stats(search.model):  # parallelize(plan=plan) carries out the mode it was planned for
         plan.extra["moe_aux_stats"] = moe_aux_stats
     plan.extra["planner"] = _stored(report)
-    _MEMO[key] = (plan.to_dict(), report.to_dict())
+    _MEMO[key] = copy.deepcopy((plan.to_dict(), report.to_dict()))  # nothing shared with the returned plan
     disk_put(cache_dir, key, _MEMO[key])
     return plan, report
 
