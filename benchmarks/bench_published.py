@@ -30,7 +30,16 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   1), schedule 1f1b (Megatron's non-interleaved default; Table 3 names no interleaving),
   recompute "none": selective recompute in the paper exists to drop the s^2 attention
   scores, which the profile's flash-attention kernel never stores (and whose backward
-  recomputes them), so no block is recomputed in full. The tied embedding across pipeline
+  recomputes them), so no block is recomputed in full. This is the program costed, not the
+  one the paper ran: Megatron-LM then computed attention unfused (baddbmm, fused
+  scale-mask-softmax, dropout, bmm: `CoreAttention` in megatron/model/transformer.py at
+  NVIDIA/Megatron-LM cfd2e21607, 2022-04-28, the selective-recompute commit, which recomputes
+  that core in backward); FlashAttention entered Megatron-LM at d693034ecf (2022-12-08). The
+  planner pins recompute per block only ("full" / "none"), so the paper's per-op selective
+  recompute cannot be pinned; costed with unfused 16-bit attention and no recompute
+  (kernels sdpa "math", sdpa_math_upcast false), 22B predicts 1.021 s (-7.2 %) and 175B
+  14.66 s (+6.6 %) against 0.962 s and 12.50 s with flash attention (2026-11-26): that
+  choice alone moves the two rows in opposite directions, and is not made here. The tied embedding across pipeline
   stages with bf16 parameters is allowed (`ALLOW["zero_with_tied_pp"]`): Megatron runs it,
   autopar's runtime does not yet, and the planner otherwise offers no such candidate.
 * llama3-405b-8k-8192 / -16384 / -128k-16384 -- Dubey et al. 2024, "The Llama 3 Herd of Models"
@@ -49,9 +58,14 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   (`candidate.virtual_choices`: 2, 3, 4 or 8 for 128 units on 16 ranks) unless
   `--pp-virtual V` pins it (the "pp_virtual" pin; a Row's `vpp` pins it for a source that
   gives it).
-  The CP16 row is "not costed": `plan_for` has no cp axis to pin (pins are tp/pp/dp/ep) and
-  `cost.estimate` prices cp but costs pipeline stages as one stage, so PP16 x CP16 cannot be
-  priced through the public API.
+  The CP16 row pins cp=16 (pp x cp plans since issue 21: tests/dist/test_pipeline_context.py);
+  its graph is captured with a symbolic sequence (`dynamic_seq=True`, ~2 min on meta for 405B
+  at 131,072 tokens) and the exchange priced by `search.plan_context` (each pp rank runs its
+  stages' attention calls, stretched by the schedule). The captured Llama repeats its 8 kv heads
+  to 128 before attention; the context pass exchanges the 8 kv heads themselves
+  (`passes.context_attention.unrepeated_kv`) and the price counts them: priced at the repeated
+  128 heads, the ring's exposed time was 75x larger (7.56 s of a 23.3 s step, 27.6 % MFU,
+  2026-11-26) than at the 8 (0.10 s of 15.9 s, 40.5 %).
 * torchtitan-70b -- torchtitan docs/performance.md Table 4 (github.com/pytorch/torchtitan):
   Llama 3.1 70B, 256 H100 (FSDP 32, TP 8), local batch 16, global batch 512, full activation
   checkpointing, torch.compile + Float8, "2D": 829 tokens/s/GPU. Seq 8,192 (torchtitan's
@@ -59,6 +73,22 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   note); the profile is h100-sxm (80 GB, 700 W). Float8 linears are not priced by the cost
   model (bf16), so the prediction is expected to be slower than published.
   Pins: ZeRO 3 (FSDP), 1 micro-batch (no accumulation), recompute "full".
+  Memory: the run's measured 71.9 GiB per GPU (same table, "Memory(GiB)"; the numbers now sit
+  in torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, torchtitan 9dec370) is the
+  "published GiB" column. The predicted peak (98.6 GiB on 2026-11-26) is at the loss's
+  backward, and most of it is the loss over the 128,256-token vocabulary for 16 x 8,192 tokens
+  a rank: autopar's runtime hands `loss_fn` replicated outputs (passes/shard.py: every graph
+  output is replicated on tp), so each tp rank's cross-entropy sees all the logits (31.3 GiB
+  in bf16; the cost model counts the log-softmax and its gradient at that size, 62.6 GiB),
+  while torchtitan keeps them vocabulary-sharded (loss_parallel: the output layer's
+  ColwiseParallel with Shard(-1), torchtitan/parallelisms/parallelize_llama.py) and drops them
+  before backward (`del pred`, train.py). One more difference is the planner's (the tp
+  sharding is not pinned): it keeps the attention weights whole on tp (sequence-sharded
+  projections, all-to-alls to and from heads) where torchtitan shards them by heads, 9.0 GiB
+  of model state instead of 4.1. The rest is as torchtitan runs it: 16 bytes of model state
+  per parameter at ZeRO 3 (fp32 shard, fp32 gradient, two Adam states; no bf16 shard is
+  kept), one layer input per block under full recompute (20.5 GiB), and the same repeat_kv
+  copies of k and v (torchtitan's llama model.py calls repeat_kv too).
 * ours-1.1b -- measured here: the 1.1 B Llama-style GPT of scripts/gpu_check, bf16-mixed,
   batch 4 x 2048, one H100 (world 1, profile h100-sxm), 122 ms per step
   (benchmarks/RESULTS.md, the "autopar dp" row of the gpu_check table, 2026-11-25).
@@ -162,6 +192,7 @@ class Row:
     published: float
     source: str
     memory_gb: float | None = None  # device memory of the published run when it differs from the profile's
+    published_peak_gib: float | None = None  # the published run's measured memory per GPU, where the source gives it
     not_costed: str | None = None  # why the published plan cannot be priced through the API
     cp: int = 1  # context-parallel degree of the published plan
     vpp: int | None = None  # published virtual stages per pipeline rank (interleaved_1f1b), if given
@@ -175,11 +206,9 @@ def _mega(key, h, a, L, tp, pp, batch, t):
 
 def _llama(key, gpus, dp, per_dp, mfu, seq=8192, cp=1):
     return Row(key, ("spec", "llama3-405b"), gpus, "h100-sxm", seq, dp * per_dp,
-               {"tp": 8, "pp": 16, "dp": dp, "zero_stage": 2, "n_microbatches": per_dp, "schedule": "interleaved_1f1b"},
-               "mfu", mfu, "Llama 3 paper, Table 4",
-               cp=cp, not_costed=None if cp == 1 else
-               f"cp={cp}: plan_for has no cp pin (tp/pp/dp/ep only) and cost.estimate prices cp but not pipeline "
-               "stages (pp=16 costed as one stage)")
+               {"tp": 8, "pp": 16, "dp": dp, "zero_stage": 2, "n_microbatches": per_dp, "schedule": "interleaved_1f1b",
+                **({"cp": cp} if cp > 1 else {})},
+               "mfu", mfu, "Llama 3 paper, Table 4", cp=cp)
 
 
 OURS_1B = dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=2048,
@@ -194,7 +223,8 @@ ROWS: dict[str, Row] = {r.key: r for r in [
     _mega("megatron-1t", 25600, 160, 128, 8, 64, 512, 71.49),
     Row("torchtitan-70b", ("spec", "llama3-70b"), 256, "h100-sxm", 8192, 512,
         {"tp": 8, "pp": 1, "dp": 32, "zero_stage": 3, "n_microbatches": 1, "recompute": "full"},
-        "tokens_per_s_gpu", 829.0, "torchtitan docs/performance.md, Table 4 (Float8)", memory_gb=96.0),
+        "tokens_per_s_gpu", 829.0, "torchtitan docs/performance.md, Table 4 (Float8)", memory_gb=96.0,
+        published_peak_gib=71.9),
     _llama("llama3-405b-8k-8192", 8192, 64, 32, 0.43),
     _llama("llama3-405b-8k-16384", 16384, 128, 16, 0.41),
     _llama("llama3-405b-128k-16384", 16384, 8, 16, 0.38, seq=131072, cp=16),
@@ -228,7 +258,7 @@ def _build_and_capture(row: Row):
         else:
             model = get(row.model[1]).build().to(torch.bfloat16)
     idx = torch.empty(2, row.seq, dtype=torch.long, device="meta")
-    return capture(model, (idx,))
+    return capture(model, (idx,), dynamic_seq=row.cp > 1)  # cp plans need the sequence symbolic
 
 
 def hardware(row: Row):
@@ -261,8 +291,10 @@ def fmt(row: Row, v: float | None) -> str:
 
 def plan_label(plan) -> str:
     m = plan.mesh
-    parts = [f"tp{m.get('tp', 1)}", f"pp{m.get('pp', 1)}", f"dp{m.get('dp', 1)}", f"Z{plan.zero_stage}",
-             f"mb{plan.n_microbatches}"]
+    parts = [f"tp{m.get('tp', 1)}", f"pp{m.get('pp', 1)}", f"dp{m.get('dp', 1)}"]
+    if m.get("cp", 1) > 1:
+        parts.append(f"cp{m['cp']} {(plan.extra.get('context') or {}).get('method', '')}".rstrip())
+    parts += [f"Z{plan.zero_stage}", f"mb{plan.n_microbatches}"]
     if m.get("pp", 1) > 1 and plan.schedule:
         v = plan.extra.get("pp_virtual", 1)
         parts.append(str(plan.schedule) + (f"(v{v})" if v > 1 else ""))
@@ -332,8 +364,14 @@ def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None) -> d
 
 
 # ----------------------------------------------------------------------------- table
-HEAD = ["row", "GPUs", "published plan (as costed)", "published", "predicted", "error", "peak GiB", "planner's plan",
-        "planner predicts", "s"]
+HEAD = ["row", "GPUs", "published plan (as costed)", "published", "predicted", "error", "peak GiB",
+        "published GiB", "planner's plan", "planner predicts", "s"]
+
+
+def memory_error(r: dict) -> float | None:
+    """Predicted peak / the published run's measured memory - 1 (None without both)."""
+    pub = r["row"].published_peak_gib
+    return r["peak_gib"] / pub - 1 if pub and "peak_gib" in r else None
 
 
 def table_row(r: dict) -> list[str]:
@@ -347,6 +385,8 @@ def table_row(r: dict) -> list[str]:
             if pred is not None else "not costed (note)",
             f"{err:+.1%}" if err is not None else "-",
             (f"{r['peak_gib']:.1f}" + (" OVER" if r.get("over_memory") else "")) if "peak_gib" in r else "-",
+            (f"{row.published_peak_gib:.1f}" + (f" ({memory_error(r):+.1%})" if memory_error(r) is not None else ""))
+            if row.published_peak_gib else "-",
             plan_label(pp) if pp is not None else (r.get("planner_error", "-") if "planner_error" in r else "-"),
             fmt(row, r.get("planner_figure")), f"{r['seconds']:.1f}"]
 
@@ -360,6 +400,9 @@ def print_table(results: list[dict]) -> None:
     n10 = sum(e <= 0.10 for e in errs)
     n15 = sum(e <= 0.15 for e in errs)
     print(f"summary: {len(errs)} rows costed of {len(results)}; within +-10 %: {n10}; within +-15 %: {n15}")
+    mem = [abs(e) for e in (memory_error(r) for r in results) if e is not None]
+    if mem:
+        print(f"memory: {len(mem)} rows with a published peak; within +-10 %: {sum(e <= 0.10 for e in mem)}")
     for r in results:
         key = r["row"].key
         if r.get("not_costed"):

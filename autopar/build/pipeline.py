@@ -10,8 +10,9 @@ calls when the mesh has a pp axis larger than one:
      per micro-batch on the plan's hardware, with `plan.split_points` as pins (all of them:
      the user's split is only evaluated, not checked against memory). It fills
      `plan.split_points`, a note, and `plan.extra["pipeline"]` (stage times, memory per
-     rank, simulated step time and bubble: what the Gantt chart is drawn from); for GPipe and
-     1F1B the per-rank memory is then `cost.estimate`'s walk of the chosen split;
+     rank, simulated step time and bubble: what the Gantt chart is drawn from); the per-rank
+     memory is then `cost.estimate`'s walk of the chosen split (every schedule: each rank's
+     own actions, its virtual stages summed);
   3. the cut: the `split_pipeline` pass on this rank's graph, through a PassManager (timed,
      verified, dumped with `AUTOPAR_DUMP`). With an ep axis the graph it cuts has been through
      the expert pass already (`passes/expert.py`, on the whole per-rank graph: dispatch,
@@ -112,7 +113,9 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
         rows = _global_rows(gc, global_gm)
         per = plan.dp * plan.mesh.get("ep", 1) * plan.n_microbatches  # ep ranks split the batch too
         micro = rows // per if rows and rows % per == 0 else None
-        chain = layer_costs(global_gm, hw, gc=gc, microbatch=micro, zero_stage=plan.zero_stage, dp=plan.dp)
+        cp = plan.mesh.get("cp", 1)  # each rank's stages run on 1/cp of every sequence
+        seq = next((int(v) // cp for k, v in gc.values().items() if str(k) == "s"), None) if cp > 1 else None
+        chain = layer_costs(global_gm, hw, gc=gc, microbatch=micro, zero_stage=plan.zero_stage, dp=plan.dp, seq=seq)
     except Exception as e:  # noqa: BLE001 - a graph the cost model cannot cost still gets a split; it is reported
         gc = None
         chain = count_chain(global_gm)
@@ -136,7 +139,7 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
         "step_s": res.step_s, "bubble": res.bubble, "hardware": res.hardware, "search_s": round(res.seconds, 3),
         "rank_memory_source": "stage search",
     }  # fmt: skip
-    if (gc is not None and v == 1 and name in ("gpipe", "1f1b") and plan.mesh.get("ep", 1) == 1
+    if (gc is not None and plan.mesh.get("ep", 1) == 1
             and any(str(k) == "b" for k in gc.values())):  # a static batch: the global graph is not a rank's
         _estimated_rank_memory(gc, plan, hw, name)
     return res
@@ -146,8 +149,8 @@ def _estimated_rank_memory(gc, plan: Plan, hw: Any, schedule: str) -> None:
     """Per-rank peak of the chosen split from `cost.estimate` (each rank's stage graph walked
     with its in-flight micro-batches, the loss on the last: the model checked against measured
     step peaks in tests/dist/test_memory_truth.py) in place of the stage search's coarser walk,
-    which only chose the split. One stage per rank under GPipe and 1F1B: the schedules whose
-    in-flight counts `cost.pipeline_memory.in_flight` knows."""
+    which only chose the split. Every schedule, virtual stages too: each rank's walk follows
+    its own actions (`cost.pipeline_memory.rank_peaks`, what the joint planner ranks by)."""
     import dataclasses  # noqa: PLC0415
 
     from autopar.cost import estimate  # noqa: PLC0415

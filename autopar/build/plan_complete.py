@@ -3,8 +3,9 @@
 `complete_plan(plan, global_gm, local_gm, mesh, ...)` fills what a plan leaves open once its mesh
 is fixed (a default plan, a pinned one, or the joint planner's), in this order:
 
-  * refusals a plan cannot run with: recompute under expert parallelism, recompute under the
-    zero-bubble schedules (ValueErrors that say what to do instead);
+  * refusals a plan cannot run with: recompute under the zero-bubble schedules (a ValueError that
+    says what to do instead; recompute under expert parallelism runs: the expert pass places its
+    nodes in their block, and a checkpointed block keeps the dispatch's collectives);
   * context parallelism (a cp axis): the attention exchange, ring or Ulysses
     (`search.context.plan_context`, `plan.extra["context"]`);
   * experts (an ep axis): `search.expert.plan_experts` (`plan.extra["expert"]`), before the tp
@@ -30,12 +31,13 @@ import torch.fx as fx
 from autopar.build.plan_check import axis_notes
 from autopar.passes.plan import Plan
 from autopar.runtime.mesh import Mesh, planning_group
-from autopar.runtime.placement import Layout, Replicate, Shard
+from autopar.runtime.placement import Replicate
 from autopar.search.context import plan_context
+from autopar.search.expert import grouped_expert_layouts
 from autopar.search.fusion import search_fusions
 from autopar.search.shard_search import batch_is_static, search_sharding
 
-__all__ = ["complete_plan", "expert_node_pins", "grouped_expert_layouts", "router_stats_without_ep"]
+__all__ = ["complete_plan", "expert_node_pins", "router_stats_without_ep"]
 
 
 def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, mesh: Mesh, *, hardware: Any,
@@ -44,11 +46,6 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
     """Fill `plan` in place for `mesh` (see the module docstring). `local_gm` is this rank's copy
     of the graph (the fusion search reads it when the batch was captured static)."""
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
-    if mesh.size("ep") > 1 and (memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
-        raise ValueError(f"activation recomputation with expert parallelism (ep={mesh.size('ep')}) is not wired yet: "
-                         "after the expert pass the blocks hold the token dispatch, and the recompute search finds no "
-                         "block it can checkpoint (it would silently recompute nothing); drop memory_budget (and "
-                         "plan.recompute), or give the ep ranks to dp with ZeRO-3 to save memory instead")
     if mesh.size("pp") > 1 and plan.schedule in ("zb_h1", "zbv") and (
             memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
         raise ValueError(f"activation recomputation with the {plan.schedule!r} schedule does not run yet: it computes "
@@ -65,7 +62,7 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
         plan.notes += plan.extra["expert"]["notes"]
     search_sharding(plan, global_gm, mesh, hardware, group=planning_group(), node_pins=expert_node_pins(plan, mesh))
     if mesh.size("ep") > 1:
-        grouped_expert_layouts(plan, mesh)
+        grouped_expert_layouts(plan, tuple(mesh.sizes))
     else:
         router_stats_without_ep(plan, global_gm, mesh)
     if fusions_pinned:
@@ -110,16 +107,3 @@ def router_stats_without_ep(plan, global_gm, mesh) -> None:
         plan.notes.append(f"MoE router statistics ({len(keys)} reductions over tokens) averaged over "
                           f"{' and '.join(axes)}: the load-balancing loss is the global batch's"
                           + (f", per micro-batch ({plan.n_microbatches})" if plan.n_microbatches > 1 else ""))
-
-
-def grouped_expert_layouts(plan: Plan, mesh: Mesh) -> None:
-    """Grouped expert parameters (transformers' fused (E, ...) experts) keep this rank's experts'
-    rows: record the ep cut of dim 0 so checkpoints and exports describe the program."""
-    for b in plan.extra["expert"]["blocks"].values():
-        if b["idiom"] not in ("sorted", "dense"):
-            continue
-        for name in b["expert_params"]:
-            base = plan.param_layouts.get(name) or Layout.replicated(tuple(mesh.sizes))
-            if "ep" not in dict(base.axes):
-                base = Layout(base.axes + (("ep", Replicate()),))
-            plan.param_layouts[name] = base.replace("ep", Shard(0))

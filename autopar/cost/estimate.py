@@ -58,11 +58,16 @@ at the profile's host bandwidths). Matmuls and attention are timed at the peak o
 `param_dtype` (the compute dtype); activation bytes stay the captured graph's.
 
 Expert parallelism (`plan.extra["expert"]`, an ep axis): the batch splits over dp x ep; rank
-0 keeps its experts' parameters and runs them on its dispatched rows (`expert_memory`).
-Pipeline (pp > 1 with `plan.split_points`, one stage per rank): `memory["peak_per_pp_rank"]`,
-each rank's stage walked with its in-flight micro-batches (`pipeline_memory`), and `peak` their
-maximum; the time stays one stage's (the pipeline build's `plan.extra["pipeline"]` prices the
-schedule). Measured against whole training steps on a gloo world for every strategy
+0 keeps its experts' parameters and runs them on its dispatched rows (`expert_memory`: their
+storages and compute scaled to the routed rows); the dispatcher's all-to-alls and the
+non-expert gradients' all-reduce over ep block the stream (`expert_comm.ep_events`).
+Pipeline (pp > 1 with `plan.split_points`, every schedule, v stages per rank):
+`memory["peak_per_pp_rank"]`, each rank's stages walked along its own actions in the schedule
+(`pipeline_memory.rank_peaks`), and `peak` their maximum; the step is the simulated schedule's
+with per-stage seconds, the boundaries' sends on the pp link, each rank's gradient sync and
+optimizer step (`pipeline_time.estimate_pipeline_step`); the joint planner calls the same two
+functions (tests/unit/test_one_cost_model_pipeline.py). Not in a pipeline's step yet: ZeRO 3's
+exposed gathers, recompute, offload's CPU step (the device step is priced). Measured against whole training steps on a gloo world for every strategy
 (tests/dist/test_memory_truth.py, +-10%).
 
 Recompute (`Plan.recompute`, `Plan.extra["recompute_save"]`): the activation walk is
@@ -99,28 +104,36 @@ from .hardware import Hardware, load_profile
 from .comm import joined_data_axis
 from .memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, StateBytes, device_resident, liveness, model_states,
                      offload_step_seconds, padded_numel, rows_of, tp_local_shape, with_param_dtype)
-from .expert_memory import ep_memory
-from .pipeline_memory import in_flight, stage_graph, stage_of_nodes
+from .expert_comm import ep_events
+from .expert_memory import ep_compute_divisor, ep_memory
+from .pipeline_memory import (StageMemory, pipeline_schedule, rank_peaks, stage_graph, stage_of_nodes,
+                              weight_grad_bytes)
 from .timeline import regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
-from .zero_comm import bucket_overlap, grad_buckets, zero3_events, zero3_payloads, zero3_walk
+from .pipeline_time import estimate_pipeline_step
+from .zero_comm import bucket_caps, bucket_overlap, grad_buckets, zero3_events, zero3_payloads, zero3_walk
 
 __all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
 
 
-def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_peak, notes: list[str]) -> list[float] | None:
-    """Peak per pipeline rank (one stage per rank: 1F1B, GPipe); None with a note otherwise."""
+def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_memory, zero3_transient: float,
+                    notes: list[str]):
+    """(peak per pipeline rank along its schedule's actions (`pipeline_memory.rank_peaks`: every
+    schedule, virtual stages too), the schedule, the stage graphs, their memory terms); None
+    with a note when the stages do not fit the schedule."""
     stage_of = stage_of_nodes(gc, plan.split_points)
     n_stages = max(stage_of) + 1 if stage_of else 1
-    if n_stages != pp:
-        notes.append(f"{n_stages} pipeline stages on pp={pp} ranks: memory costed as one stage (per-rank memory of "
-                     "virtual stages is not modelled)")
+    try:
+        sched = pipeline_schedule(plan.schedule, pp, plan.n_microbatches, n_stages)
+    except ValueError as e:
+        notes.append(f"per-rank pipeline memory not modelled: {e}")
         return None
     if any(v != "none" for v in plan.recompute.values()):
         notes.append("recompute inside pipeline stages: per-rank memory costed without it")
-    return [stage_peak(stage_graph(gc, stage_of, s), in_flight(plan.schedule, pp, plan.n_microbatches, s))
-            for s in range(n_stages)]
+    graphs = [stage_graph(gc, stage_of, s) for s in range(n_stages)]
+    mems = [stage_memory(g) for g in graphs]
+    return rank_peaks(sched, mems, zero3_transient), sched, graphs, mems
 
 
 def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,
@@ -199,13 +212,18 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     for k, f in epm.scale.items():
         mem_div[k] = mem_div.get(k, 1) / f if f > 0 else math.inf
     rank_params = epm.params
+    ep_ev = ep_events(gc, rank_params, plan, ev, {p.name: math.prod(rows_of(tp_local_shape(
+        p, plan.param_layouts, mesh, dp_axis))) for p in rank_params if not p.is_buffer})  # all-to-alls, grad_avg
+    notes += ep_ev.notes
 
     # --- compute per node, per layer ------------------------------------------------------
     fwd_t = [0.0] * len(gc.nodes)
     bwd_t = [0.0] * len(gc.nodes)
     graph_comm: list[tuple[int, str, str, float, bool]] = []  # (node, op, axis, payload, backward)
     for n in gc.nodes:
-        f, b = timer.node(n, comp_div.get(n.index, 1))
+        k_ep = epm.compute.get(n.index)  # expert parallelism: the routed rows (0: another rank's expert)
+        f, b = timer.node(n, comp_div.get(n.index, 1) if k_ep is None else comp_div.get(n.index, 1) / k_ep) \
+            if k_ep != 0 else (0.0, 0.0)
         if cp > 1 and "scaled_dot_product_attention" in n.op:  # local queries against every chunk's keys
             f, b = f * cp, b * cp
         fwd_t[n.index], bwd_t[n.index] = f, b
@@ -215,6 +233,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             else:
                 payload = ev(cm.nbytes)
             graph_comm.append((n.index, cm.op, cm.axis, payload, cm.backward))
+    graph_comm += [(e.node, e.op, e.axis or ep_ev.axis, e.payload, e.backward) for e in ep_ev.events]
     comm_reports: dict[tuple[str, str, str], CommReport] = {}
 
     def add_comm(op, axis, phase, payload, t, exposed):
@@ -355,20 +374,20 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             pg_bytes[p.key] = row.get("grads", 0) - row.get("master_grads", 0)  # masters' come after backward
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
                     storage_divisor=mem_div, loss=CROSS_ENTROPY)
-    recompute_s = recompute_flops = 0.0
+    recompute_s = 0.0
     if any(v != "none" for v in plan.recompute.values()):  # the checkpointed regions' walk replaces the plain one
         try:
             regions = regions_for(gc, dict(plan.recompute), dict(plan.extra.get("recompute_save") or {}))
             live = timeline(gc, regions, values, hardware=hw, param_grad_bytes=pg_bytes,
                             grads_preallocated=n_micro > 1, storage_divisor=mem_div, keep_points=False,
-                            loss=CROSS_ENTROPY, compute_divisor=comp_div)
-            recompute_s, recompute_flops = live.recompute_s * n_micro, live.recompute_flops * n_micro
+                            loss=CROSS_ENTROPY, compute_divisor=ep_compute_divisor(comp_div, epm.compute))
+            recompute_s = live.recompute_s * n_micro
             bwd_s += recompute_s
             step_s += recompute_s
         except ValueError as e:  # a plan for another graph's node keys: reported, costed without it
             notes.append(f"recompute could not be modelled on this graph ({e}); every saved tensor is kept")
-    def stage_peak(g: GraphCost, k: int) -> float:
-        """Peak of a pipeline rank running stage graph `g` with `k` micro-batches in flight."""
+    def stage_memory(g: GraphCost) -> StageMemory:
+        """The memory terms of pipeline stage graph `g` on its rank (`pipeline_memory.StageMemory`)."""
         st = model_states(g.params, opt, zero_stage=zero, dp=dp, rank=0, master_dtype=master_dtype,
                           grad_dtype=grad_dtype, param_layouts=plan.param_layouts, mesh=mesh, dp_axis=dp_axis,
                           separate_masters=plan.offload, as_engine=True)
@@ -379,22 +398,22 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                 pg[p.key] = row.get("grads", 0) - row.get("master_grads", 0)
         loss = CROSS_ENTROPY if g.outputs is gc.outputs or list(g.outputs) == list(gc.outputs) else HELD_OUTPUTS
         first = liveness(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss)
-        act = first.peak + (k - 1) * first.forward_end
-        if n_micro > 1:  # later micro-batches: the gradients exist already
-            act = max(act, liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=mem_div,
-                                    loss=loss).peak)
+        later = liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=mem_div,
+                         loss=loss).peak if n_micro > 1 else first.peak
         trainable_s = [p for p in g.params if p.requires_grad]
         trans = 0.0
         if dp > 1 and zero < 3:  # the stage's flat gradient buckets until its backward ends
             trans = sum((local[p.name] if zero < 2 else dp * padded[p.name]) * grad_item[p.name]
                         for p in trainable_s) * (1 + 1 / dp if zero == 2 else 1)
-        elif dp > 1:
-            trans = transient
         d, _host = device_resident({**st.to_dict(), "master_grads": st.master_grads}, plan.offload, zero)
-        pers = d["params"] + d["master"] + d["optimizer"] + d["buffers"]
         tmp = opt.step_temporary(st.optimizer - (4 * len(trainable_s) if opt.step_tensor else 0), hw.device.kind)
-        return max(pers + act + (trans if zero == 3 else 0), pers + d["grads"] + trans + first.inputs,
-                   pers + d["grads"] + (0 if plan.offload else tmp))
+        return StageMemory(persistent=d["params"] + d["master"] + d["optimizer"] + d["buffers"], grads=d["grads"],
+                           walk_grads=float(first.param_grads), first=first.peak, later=later,
+                           held=first.forward_end, inputs=first.inputs, transient=trans,
+                           step_temp=0.0 if plan.offload else tmp,
+                           opt_bytes=2 * (st.master + st.optimizer) + st.params / (dp if zero in (1, 2) else 1)
+                           + st.grads if trainable_s else 0.0,
+                           pending=weight_grad_bytes(g, values, mem_div) if g.nodes[0].index > 0 else 0.0)
 
     # offload: masters (at ZeRO-3 the shards themselves), their gradients and the states on the CPU
     dev, offloaded = device_resident({**states.to_dict(), "master_grads": states.master_grads}, plan.offload, zero)
@@ -410,10 +429,17 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
               "offloaded": float(offloaded)}
     pp = mesh.get("pp", 1)
     if pp > 1 and plan.split_points:  # per pipeline rank: its stage's states and walk
-        rank_peaks = _pipeline_peaks(gc, plan, pp, lambda g, k: stage_peak(g, k), notes)
-        if rank_peaks:
-            memory["peak_per_pp_rank"] = [float(x) for x in rank_peaks]
-            memory["peak"] = peak = float(max(rank_peaks))
+        got = _pipeline_peaks(gc, plan, pp, stage_memory, transient if dp > 1 and zero == 3 else 0.0, notes)
+        if got:
+            memory["peak_per_pp_rank"] = [float(x) for x in got[0]]
+            memory["peak"] = peak = float(max(got[0]))
+            step_s, stage_s, bubble, optimizer_s = estimate_pipeline_step(  # the schedule's step (pipeline_time)
+                gc, got[1], got[2], got[3], fwd_t, bwd_t, values, mem_div, links, dp_axis, zero, dp, n_micro,
+                bucket_caps(plan.bucket_mb), lambda p: (local[p.name] if zero < 2 else dp * padded[p.name])
+                * grad_item[p.name], lambda p: padded[p.name] * p.dtype.itemsize,
+                hw.device.memory_bandwidth * hw.eff("memory"))
+            notes.append(f"pipeline: {got[1].name} simulated with per-stage seconds {[f'{x:.3g}' for x in stage_s]}, "
+                         f"bubble {bubble:.1%}")
     memory["headroom"] = memory["capacity"] - memory["peak"]
     if peak > hw.device.memory_bytes:
         notes.append(f"peak memory {peak / 2**30:.1f} GiB exceeds the device's "
@@ -462,9 +488,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     if plan.param_dtype is not None:
         notes.append(f"compute costed at the {plan.param_dtype} peak (the plan's param_dtype); activation bytes as "
                      "captured")
-    if plan.split_points or plan.schedule:
-        notes.append("pipeline stages: time costed as one stage (plan.extra['pipeline'] prices the schedule); memory "
-                     "per pipeline rank in memory['peak_per_pp_rank'] once split_points are set")
+    if (plan.split_points or plan.schedule) and "peak_per_pp_rank" not in memory:
+        notes.append("pipeline stages: time and memory costed as one stage until split_points are set (then the "
+                     "schedule's step and memory['peak_per_pp_rank'])")
     if plan.fusions:
         notes.append("fusions are not modelled yet: ops are costed unfused")
     notes.append(f"graph costed per micro-batch of sizes {dict((str(k), v) for k, v in values.items()) or 'static'}")

@@ -39,6 +39,8 @@ and `param_grads` equal `memory.liveness`'s; every point's `alive` is the sum of
 """
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -404,6 +406,8 @@ def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_input
             free(k)
         if j not in r.save:
             d = cdiv.get(n.index, 1)
+            if d == math.inf:  # a node this rank does not run (another ep rank's expert)
+                continue
             flops += ev(n.cost.flops) / d
             if n.kind not in ("view", "none"):
                 secs += timer.node(n, d)[0]

@@ -14,7 +14,7 @@ when pinned), interleaved_1f1b with every v of `virtual_choices` up to the first
 bubble (p - 1) / (v m) is under 1 % (or the "pp_virtual" pin). Context parallelism: cp = k for
 the divisors k of the world for which `model.context_options(k, tp)` (`search.plan_context`)
 gives an exchange (2k zigzag chunks divide the sequence; the cheaper method, or the pinned
-one), never with pp or ep (the runtime refuses them: `support["cp_with_pp"]`, `["cp_with_ep"]`),
+one), with pp and ep where the runtime runs them (`support["cp_with_pp"]`, `["cp_with_ep"]`),
 ZeRO 1-3 whenever dp x cp > 1 (the shards live on the joined dp+cp axis). An MoE model whose
 auxiliary losses read router statistics gets one micro-batch only unless
 `support["moe_aux_stats"]` is "micro_batch" (`one_micro_batch`: under the default "global"
@@ -262,7 +262,7 @@ def candidates(model: Any, world: int, pins: Mapping[str, Any], support: Mapping
     return out
 
 
-_ROUTER_STATS: "weakref.WeakKeyDictionary[fx.GraphModule, bool]" = weakref.WeakKeyDictionary()
+_ROUTER_STATS: "weakref.WeakKeyDictionary[fx.GraphModule, list]" = weakref.WeakKeyDictionary()
 
 
 def one_micro_batch(model: Any, support: Mapping[str, Any]) -> bool:
@@ -276,16 +276,22 @@ def one_micro_batch(model: Any, support: Mapping[str, Any]) -> bool:
 def has_router_stats(model: Any) -> bool:
     """Whether the planner's model (`plan_cost.PlanCostModel`) is an MoE whose graph has router
     statistics (cached per graph)."""
+    return bool(router_stat_keys(model))
+
+
+def router_stat_keys(model: Any) -> list[str]:
+    """The router statistics (`search.expert_detect.router_stats`) of the planner's model's
+    graph, [] without MoE (cached per graph: on a 671B graph the walk costs seconds)."""
     if not getattr(model, "has_moe", False):
-        return False
+        return []
     gm = model.gm
     if gm not in _ROUTER_STATS:
         from autopar.search.expert_detect import router_stats  # noqa: PLC0415
 
         try:
-            _ROUTER_STATS[gm] = bool(router_stats(gm))
+            _ROUTER_STATS[gm] = list(router_stats(gm, getattr(model, "moe_blocks", None)))
         except ValueError:  # an MoE the detection cannot take apart: no statistics it could make global
-            _ROUTER_STATS[gm] = False
+            _ROUTER_STATS[gm] = []
     return _ROUTER_STATS[gm]
 
 

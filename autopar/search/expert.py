@@ -14,7 +14,8 @@ API: `ep_cost(blocks, mesh, ...) -> EPCost`, `rank_ep_degrees(...)` / `search_ep
 (the ep dimension of the planner: every feasible degree, cheapest first),
 `measured_imbalance(routes)` (the imbalance factor of recorded routes),
 `plan_experts(global_gm, mesh, ...) -> dict` (the `plan.extra["expert"]` entry), which
-`autopar.parallelize(model, autopar.mesh(ep=...))` reads.
+`autopar.parallelize(model, autopar.mesh(ep=...))` reads; `grouped_expert_layouts(plan, axes)`
+(the ep cut of grouped expert parameters in `plan.param_layouts`).
 
 Guarantees: `plan_experts` refuses (ValueError) an ep degree that does not divide every
 block's expert count, or an ep axis on a model without MoE blocks.
@@ -32,6 +33,7 @@ import torch.fx as fx
 
 from autopar.cost.comm import axis_links
 from autopar.cost.hardware import load_profile
+from autopar.cost.placements import Layout, Replicate, Shard
 
 # detection lives in expert_detect; its public names are re-exported for importers of this module
 from autopar.search.expert_detect import (MoEBlock, MoEDetectError, MoEGraph, detect_moe,  # noqa: F401
@@ -171,15 +173,18 @@ def _hint(x) -> int | None:
 
 def plan_experts(global_gm: fx.GraphModule, mesh, *, ep_axis: str = "ep", dp_axis: str | None = "dp",
                  capacity_factor: float | None = None, hardware="cpu-gloo", imbalance: float = 1.0,
-                 n_microbatches: int = 1, global_router_stats: bool = True) -> dict:
+                 n_microbatches: int = 1, global_router_stats: bool = True, blocks: list[MoEBlock] | None = None,
+                 router_stat_keys: list[str] | None = None) -> dict:
     """`plan.extra["expert"]` for a graph captured at the global batch on `mesh` (an autopar
     Mesh or {axis: size}). Empty when the model has no MoE block and ep is 1.
 
     capacity_factor: None keeps each block's own rule (dropless or the model's capacity);
-    a number forces capacity C = min(Ng, ceil(cf * Ng * K / E)) per ep group of Ng tokens."""
+    a number forces capacity C = min(Ng, ceil(cf * Ng * K / E)) per ep group of Ng tokens.
+    blocks, router_stat_keys: `detect_moe(global_gm)` and `router_stats(global_gm, blocks)`
+    when the caller has them (the planner does: on a 671B graph each costs seconds)."""
     sizes = dict(getattr(mesh, "sizes", mesh))
     ep = sizes.get(ep_axis, 1)
-    blocks = detect_moe(global_gm)
+    blocks = detect_moe(global_gm) if blocks is None else blocks
     if not blocks:
         if ep > 1:
             reasons = no_moe_reasons(global_gm)
@@ -202,13 +207,29 @@ def plan_experts(global_gm: fx.GraphModule, mesh, *, ep_axis: str = "ep", dp_axi
                    imbalance=imbalance, capacity_factor=capacity_factor, non_expert_param_bytes=other_bytes,
                    expert_tp=sizes.get("tp", 1))
     return {"axis": ep_axis, "ep": ep, "blocks": {b.module: b.to_json() for b in blocks},
-            "router_stats": router_stats(global_gm, blocks) if global_router_stats else [],
+            "router_stats": (list(router_stat_keys) if router_stat_keys is not None else router_stats(global_gm, blocks))
+            if global_router_stats else [],
             "capacity_factor": capacity_factor, "global_router_stats": global_router_stats,
             "tokens_per_rank": (tokens or 0) / batch_split, "predicted": cost.summary(),
             "notes": [f"{len(blocks)} MoE blocks ({blocks[0].idiom}, {blocks[0].n_experts} experts, top-"
                       f"{blocks[0].top_k}) over {ep_axis}={ep}: {blocks[0].n_experts // ep} experts per rank, "
                       + ("dropless" if capacity_factor is None and all(b.dropless for b in blocks)
                          else f"capacity {'cf=' + str(capacity_factor) if capacity_factor else 'as the model'}")]}
+
+
+def grouped_expert_layouts(plan, axes) -> None:
+    """Grouped expert parameters (transformers' fused (E, ...) experts, "sorted" and "dense"
+    blocks of `plan.extra["expert"]`) keep this rank's experts' rows: their layouts get S(0) on
+    ep (`axes`: the mesh's axis names), as the expert pass slices them; what checkpoints,
+    exports and `cost.estimate` (their states per rank) read."""
+    for b in plan.extra["expert"]["blocks"].values():
+        if b["idiom"] not in ("sorted", "dense"):
+            continue
+        for name in b["expert_params"]:
+            base = plan.param_layouts.get(name) or Layout.replicated(tuple(axes))
+            if "ep" not in dict(base.axes):
+                base = Layout(base.axes + (("ep", Replicate()),))
+            plan.param_layouts[name] = base.replace("ep", Shard(0))
 
 
 def _tokens_and_dense_bytes(gm: fx.GraphModule, blocks: list[MoEBlock]) -> tuple[int | None, int]:

@@ -24,11 +24,13 @@ For a candidate:
            walked, which admits an even split that fits, then shares summing to the rank's
            limit), the recompute
            is chosen per rank against the schedule walk, and the walk below has the last word.
-  pp = 1   (without expert parallelism) data parallelism and memory are `cost.estimate`'s, by
-           the same functions on the rank's whole graph (`search.plan_rank`: buckets of whole
-           parameters ready per node, ZeRO 3's runtime units gathered every micro-batch and
-           reduce-scattered once, the liveness walk with the gradients as backward makes them,
-           with recompute the checkpointed regions' walk, `cost.timeline`);
+  pp = 1   data parallelism and memory are `cost.estimate`'s, by the same functions on the
+           rank's whole graph (`search.plan_rank`: buckets of whole parameters ready per node,
+           ZeRO 3's runtime units gathered every micro-batch and reduce-scattered once, the
+           liveness walk with the gradients as backward makes them, with recompute the
+           checkpointed regions' walk, `cost.timeline`; with ep the rank's experts on their
+           routed rows and the expert collectives on their nodes, `cost.expert_memory`,
+           `cost.expert_comm`);
            tests/unit/test_one_cost_model.py checks the two agree to 1e-6. The rest below is
            the pipeline's per-unit model.
   time     pp = 1: m (F + B). pp > 1: the schedule's simulator (`cost.schedule.simulate`)
@@ -53,7 +55,10 @@ For a candidate:
            bytes and its stage input, B/W release them) + the working set + communication
            buffers (ZeRO 0/1 the flat gradient copy, 2 its padded input and output, 3 two
            gathered units); or the optimizer step's peak (states + one temporary per
-           optimizer state element), whichever is larger.
+           optimizer state element), whichever is larger. That chooses the split; the chosen
+           split's per-rank peaks (pp > 1, no recompute, no ep) are then `cost.estimate`'s walk
+           along each rank's actions (`search.plan_pipeline_memory`), and its step
+           `cost.pipeline_time`'s, as estimate's (tests/unit/test_one_cost_model_pipeline.py).
 
 Bounds (`lower_bounds`, `optimistic_bounds` without the ILP, and a split's bound before its
 schedule is simulated) never exceed these predictions; the planner prunes with them.
@@ -66,8 +71,8 @@ the rank's last backward starts; with pp > 1 every gradient is taken as allocate
 activations peak (one micro-batch: conservative by up to the gradients) and ZeRO 3 regathers
 and reduce-scatters every unit every micro-batch, and recomputed blocks keep their input only
 (collective outputs inside a block, which the recompute pass keeps, are not counted; the
-choice of blocks uses this at pp = 1 too); expert-parallel plans take `search.expert.ep_cost`,
-not estimate's expert accounting.
+choice of blocks uses this at pp = 1 too); expert-parallel pipelines (pp > 1, which the runtime
+does not run yet) take `search.expert.ep_cost`, not estimate's expert accounting.
 
 node.meta: read only by the tables (`search.plan_tables`: the placeholders' `val`, the rest
 through `cost.analyze`, `passes.ir` and the sharding rules); nothing here reads or writes it.
@@ -77,17 +82,20 @@ here too.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autopar.cost.overlap import contention_of, slowdown
-from autopar.cost.schedule import held_peaks, simulate, small_schedule
+from autopar.cost.overlap import contention_of
+from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times
+from autopar.cost.schedule import held_peaks, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
 from autopar.search.expert import ep_cost
 from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
 from autopar.search.plan_context import data_axis_name
-from autopar.search.plan_split import INF, SplitChain, in_flight_floor
+from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks
+from autopar.search.plan_split import INF, SplitChain, chain_factor, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
 from autopar.search.shard_tables import ShardInfo
 from autopar.search.stage_memory import choose_recompute, fit_recompute, freed_bytes, stage_budgets
@@ -121,7 +129,7 @@ class PlanCostModel(PlanTables):
         0.1 % slack covers)."""
         rows = self.rows_per_micro(c)
         f0, b0, ef, eb = self.optimistic_units(c.tp, rows, c.cp)
-        f, b = self._ep_adjusted(c, rows, f0, b0, ef, eb)
+        f, b = self.rank_ep_floor(c, rows, f0, b0) if c.pp == 1 else self._ep_adjusted(c, rows, f0, b0, ef, eb)
         st = self.states(1, c.zero, c.replicas, c.ep)
         t = c.tp
         opt_tot = self._opt_time((st.total["master"] + st.total["optimizer"]) / t, st.total["params"] / t,
@@ -129,8 +137,12 @@ class PlanCostModel(PlanTables):
         u1 = self.units(1, rows, c.cp)
         act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1, recompute)
         states = sum(st.total.values()) / t * (1 - 1e-3)
-        if self._one_stage(c):  # the gradients may appear only after the activations' peak
-            return self._time_bound(c, f, b, opt_tot, st, t), max(states - st.total["grads"] / t + act, states)
+        if self._one_stage(c):  # the gradients may appear only after the activations' peak (ep: the routed rows' fewer)
+            return self._time_bound(c, f, b, opt_tot, st, t), max(states - st.total["grads"] / t + act, states) \
+                if self._ep_of(c) < 2 else states
+        if c.ep < 2 or not self.moe_blocks:  # as `lower_bounds`
+            return self._time_bound(c, f, b, opt_tot, st, t), max(self._mem_bound(c, states - grads_of(st) / t, act),
+                                                                    states / c.pp)
         return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, states, act)
 
     def _inputs_floor(self, c: Candidate, u: UnitCosts, recompute: bool) -> float:
@@ -154,7 +166,7 @@ class PlanCostModel(PlanTables):
         """(step time, peak memory) that no split, recompute or overlap can beat: the busiest
         rank does at least its share (and the largest unit) of every micro-batch and of the
         optimizer step; a one-stage-per-rank schedule also waits for the first forward to
-        reach each stage (`_chain_factor`); a rank holds at least its share of the model
+        reach each stage (`plan_split.chain_factor`); a rank holds at least its share of the model
         states and of the activations in flight (`_mem_bound`), recomputed where `recompute`,
         plus the working set and ZeRO 3's gathered units."""
         rows = self.rows_per_micro(c)
@@ -166,18 +178,20 @@ class PlanCostModel(PlanTables):
         act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u, recompute)
         states = sum(st.total.values())
         if self._one_stage(c):  # the walk evaluate prices; with recompute, what the checkpointed walk keeps at least
-            z3 = self.zero3_transient(c.tp, c.replicas) if c.zero == 3 and c.replicas > 1 else 0.0
+            z3 = self.zero3_transient(c.tp, c.replicas, self._ep_of(c)) if c.zero == 3 and c.replicas > 1 else 0.0
             grads = float(st.total["grads"])
             one_act = self.rank_act_peak(c, rows, st.param_grad) - grads + z3 if not recompute else act - grads + z3
             return self._time_bound(c, f, b, opt_tot, st), max(states + one_act, states)
+        if c.ep < 2 or not self.moe_blocks:  # the stage walks (`plan_pipeline_memory`): gradients as made
+            return self._time_bound(c, f, b, opt_tot, st), max(self._mem_bound(c, states - grads_of(st), act),
+                                                                 states / c.pp)
         z3 = 2 * c.replicas * float(st.gather.max()) if c.zero == 3 and c.replicas > 1 else 0.0
         fixed = self.workspace(c.tp, rows, c.cp) + z3  # every rank's peak has these on top
         return self._time_bound(c, f, b, opt_tot, st), self._mem_bound(c, states, act) + fixed
 
     def _one_stage(self, c: Candidate) -> bool:
-        """Whether `c` is priced on the rank's whole graph (`search.plan_rank`): one stage, no
-        expert parallelism."""
-        return c.pp == 1 and (c.ep < 2 or not self.moe_blocks)
+        """Whether `c` is priced on the rank's whole graph (`search.plan_rank`): one stage."""
+        return c.pp == 1
 
     def _mem_bound(self, c: Candidate, states: float, act: float) -> float:
         """The fullest rank's memory is at least the ranks' average, and at least a weighted
@@ -227,7 +241,7 @@ class PlanCostModel(PlanTables):
             lb = max(lb, work + max(0.0, sync - B) + after + opt_tot)
         elif c.virtual == 1:
             gamma = 1.0 if c.schedule in ("1f1b", "gpipe") else float(np.min(np.where(per > 0, f / np.maximum(per, 1e-300), 1.0)))
-            lb = max(lb, _chain_factor(m, p, gamma) * float(per.sum()))
+            lb = max(lb, chain_factor(m, p, gamma) * float(per.sum()))
         return lb + self.context_exposed(c)  # the attention exchange is on top of every rank's step
 
     def _opt_time(self, master_opt: float, params: float, grads: float, c: Candidate, elems: float = 0.0,
@@ -245,7 +259,7 @@ class PlanCostModel(PlanTables):
 
     def _ep_terms(self, c: Candidate, rows: int) -> tuple[float, float, float]:
         """(all-to-all seconds, routed expert compute seconds, non-expert gradient averaging over
-        ep) per micro-batch for the whole model (`search.expert.ep_cost`)."""
+        ep) per micro-batch for the whole model (`search.expert.ep_cost`): pipelines only."""
         if c.ep < 2 or not self.moe_blocks:
             return 0.0, 0.0, 0.0
         key = ("ep", c.mesh().items().__repr__(), rows)
@@ -264,6 +278,8 @@ class PlanCostModel(PlanTables):
         blocking all-to-alls, spread over the units that hold MoE blocks."""
         if c.ep < 2 or not self.moe_blocks:
             return fwd, bwd
+        if c.pp == 1:  # one stage: the rank's nodes as cost.estimate times them (`search.plan_rank`)
+            return self.rank_ep_units(c, fwd, bwd)
         a2a, comp, _g = self._ep_terms(c, rows)
         share = self.moe_units / max(self.moe_units.sum(), 1.0)
         return (fwd - expert_f + share * (a2a / 2 + comp / 3),
@@ -279,7 +295,8 @@ class PlanCostModel(PlanTables):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, c: Candidate, limit: float, *, pins: Sequence[str] = (), recompute: Any = "auto",
-                 minimise: str = "time", cutoff: float | None = None, memory_only: bool = False) -> Evaluation:
+                 minimise: str = "time", cutoff: float | None = None, memory_only: bool = False,
+                 walk_retry: bool = True) -> Evaluation:
         """Predict `c` (see the module docstring).
 
         Args:
@@ -294,6 +311,9 @@ class PlanCostModel(PlanTables):
                 step time. A plan over the memory limit is not simulated either (step = inf).
             memory_only: return once the memory is known (step = inf, nothing timed): what the
                 planner's report needs of a candidate's least memory.
+            walk_retry: a pipeline split that fits on the per-unit model without recompute but
+                not on estimate's walk is evaluated again (once) with the limit lowered by the
+                difference, so that recompute is chosen to free it (recompute allowed).
         """
         rows = self.rows_per_micro(c)
         if rows is None or rows < 1:
@@ -327,7 +347,7 @@ class PlanCostModel(PlanTables):
         F_u, B_u = f0 + z3f, b0 + z3b
         ws = self.workspace(c.tp, rows, c.cp)
         R = c.replicas  # ranks holding the same parameters (dp, x cp)
-        z3_units = (self.zero3_transient(c.tp, R) if one else 2 * R * float(st.gather.max())) if z == 3 else 0.0
+        z3_units = (self.zero3_transient(c.tp, R, self._ep_of(c)) if one else 2 * R * float(st.gather.max())) if z == 3 else 0.0
         fixed = ws + z3_units  # ZeRO 3: a unit gathered + the next
         if one:  # the activation walk's peak with the gradients as backward makes them
             one_act = self.rank_act_peak(c, rows, st.param_grad) - float(st.total["grads"]) + z3_units
@@ -395,15 +415,8 @@ class PlanCostModel(PlanTables):
             states_s.append(base_st[s])
             cats_s.append(chain.categories(i, j))
             rc_s.append(rtime)
-        k_pp = contention_of(pp_link)
-        if S > 1 and k_pp > 0:  # pipeline transfers slow the compute beside them (`cost.overlap`)
-            hops = [float(hop[starts[s + 1] - 1]) for s in range(S - 1)]
-            for s in range(S):
-                busy = 2 * ((hops[s - 1] if s > 0 else 0.0) + (hops[s] if s < S - 1 else 0.0))
-                w = F_s[s] + B_s[s]
-                extra = slowdown(w, busy, k_pp)
-                if extra > 0:
-                    F_s[s], B_s[s] = F_s[s] + extra * F_s[s] / w, B_s[s] + extra * B_s[s] / w
+        # pipeline transfers slow the compute beside them (`cost.pipeline_time`, as cost.estimate)
+        stretch_stage_times(F_s, B_s, [float(hop[starts[s + 1] - 1]) for s in range(S - 1)], contention_of(pp_link))
         # per rank: its states by category and its optimizer step (no schedule needed)
         cats_r = [{k: sum(cats_s[s][k] for s in stages_of[r]) for k in CATEGORIES} for r in range(P)]
         st_r = [sum(states_s[s] for s in stages_of[r]) for r in range(P)]
@@ -446,10 +459,19 @@ class PlanCostModel(PlanTables):
             if one:  # estimate's three points: the walk, the end of backward (buffers, inputs), the step
                 end_bufs = self.rank_transient(c)
                 peak = max(st_r[r] + one_act - (0.0 if rc_units else base_a[0] - act_s[0]), st_r[r] + end_bufs + self.grad_profile(
-                    c.tp, rows, c.cp).inputs, st_r[r] + adam)
+                    c.tp, rows, c.cp, self._ep_of(c)).inputs, st_r[r] + adam)
             rank_peaks.append(peak)
             rank_cats.append({**cats_r[r], "activations": best, "workspace": ws, "comm_buffers": trans + (fixed - ws),
                               "optimizer_step_temp": adam, "peak": peak})
+        if c.pp > 1 and not rc_units and (c.ep < 2 or not self.moe_blocks):  # estimate's walk of the split
+            walked = pipeline_rank_peaks(self, c, sched, rows, starts, ends, st, chain, trans_u, rank_cats)
+            unit_fits = max(rank_peaks) <= limit * (1 + 1e-9)
+            if walk_retry and recompute != "none" and unit_fits and max(walked) > limit * (1 + 1e-9):
+                # the per-unit model chose no recompute, the walk is over: recompute what the walk adds
+                ev = self.evaluate(c, limit - (max(walked) - max(rank_peaks)), pins=pins, recompute=recompute,
+                                   minimise=minimise, cutoff=cutoff, memory_only=memory_only, walk_retry=False)
+                return dataclasses.replace(ev, limit_bytes=limit, memory={**ev.memory, "limit": limit})
+            rank_peaks = walked
         full = int(np.argmax(rank_peaks))
         memory = dict(rank_cats[full], limit=limit)
         if self.offload:  # in host memory, not in the peak (every stage's: the rank's when pp = 1)
@@ -468,12 +490,7 @@ class PlanCostModel(PlanTables):
         # time: the schedule, then per rank data-parallel sync, the optimizer step
         p2p = [float(hop[starts[s + 1] - 1]) for s in range(S - 1)]
         if sched is not None:
-            sim = simulate(sched, f=F_s, b=B_s, p2p=p2p)
-            if not sim.ok:
-                raise ValueError(f"{c.label()}: the schedule deadlocks in simulation: {sim.summary()}")
-            ends_r = [tl[-1].end if tl else 0.0 for tl in sim.timelines]
-            busy = list(sim.busy)
-            bubble = float(sim.bubble_fraction)
+            ends_r, busy, bubble = simulate_ranks(sched, F_s, B_s, p2p, c.label())
         else:
             ends_r = [m * (F_s[0] + B_s[0])]
             busy = list(ends_r)
@@ -481,7 +498,7 @@ class PlanCostModel(PlanTables):
         dp_link = links.get("dp")
         step = 0.0
         dp_time = dp_bytes = dp_exposed_max = 0.0
-        ep_sync = self._ep_terms(c, rows)[2]
+        ep_sync = 0.0 if one else self._ep_terms(c, rows)[2]  # one stage: in the nodes' times (`rank_nodes`)
         for r in range(P):
             mine = stages_of[r]
             if one:
@@ -545,7 +562,10 @@ class PlanCostModel(PlanTables):
             nb = sum(float(u.cross[starts[s] - 1]) for s in range(1, len(starts)))
             comm["pp"] = {"bytes_sent": 2 * m * nb / c.pp, "time_s": 2 * m * sum(p2p) / c.pp,
                           "exposed_s": 0.0}  # inside the simulated makespan
-        if c.ep > 1 and self.moe_blocks:
+        if c.ep > 1 and self.moe_blocks and c.pp == 1:  # the collectives estimate counts (`rank_ep_comm`)
+            t, sent = self.rank_ep_comm(c)
+            comm["ep"] = {"bytes_sent": m * sent, "time_s": m * t, "exposed_s": m * t}
+        elif c.ep > 1 and self.moe_blocks:
             a2a, _comp, grad = self._ep_terms(c, rows)
             share = float(sum(self.moe_units[starts[s]:ends[s]].sum() for s in mine) / max(self.moe_units.sum(), 1.0))
             e = ep_cost(self.moe_blocks, c.mesh(), "ep", self.hw, tokens_per_rank=rows * self.tokens_per_row()[0])
@@ -569,23 +589,6 @@ class PlanCostModel(PlanTables):
                 raise ValueError(f"recompute pins {bad} are not units of this model; units: {self.unit_names[:6]} ...")
             return {idx[k]: v == "full" for k, v in recompute.items()}
         return None
-
-
-def _chain_factor(m: int, S: int, gamma: float) -> float:
-    """c such that c x (sum of stage times) bounds the makespan of any split of a chain into S
-    stages on S ranks: stage s cannot finish before the first forward reaches it (at least
-    gamma of the earlier stages' time) plus its m micro-batches, so the step is at least
-    max_s (gamma x sum_{s'<s} T_s' + m T_s) >= sum_s w_s (...) for weights w >= 0 summing to
-    one; choosing w so that every T_s' gets the same coefficient c makes the bound
-    independent of the split (m = 1: c = 1 ... for gamma = 1, c = 1 / (1 - ((m-1)/m)^S))."""
-    w = [0.0] * S
-    acc = 0.0  # sum of w_s for s > s'
-    for s in range(S - 1, -1, -1):
-        w[s] = (1.0 - gamma * acc) / m
-        if w[s] < 0:
-            return m / S
-        acc += w[s]
-    return max(1.0 / acc, m / S)
 
 
 _buckets = buckets  # the name tests/unit/test_planner_moe_scale.py imports

@@ -35,7 +35,7 @@ from autopar.cost.schedule import in_flight_per_stage, small_schedule
 from autopar.search.candidate import Candidate
 from autopar.search.plan_tables import CATEGORIES, UnitStates
 
-__all__ = ["INF", "SplitChain", "in_flight_floor"]
+__all__ = ["INF", "SplitChain", "chain_factor", "in_flight_floor"]
 
 INF = math.inf
 
@@ -211,3 +211,20 @@ def in_flight_floor(c: Candidate) -> tuple[Sequence[float], Sequence[int]]:
 def _small_in_flight(name: str, p: int, m: int, v: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
     sched = small_schedule(name, p, m, v)
     return tuple(float(k) for k in in_flight_per_stage(sched)), tuple(sched.stage_to_rank)
+
+
+def chain_factor(m: int, S: int, gamma: float) -> float:
+    """c such that c x (sum of stage times) bounds the makespan of any split of a chain into S
+    stages on S ranks: stage s cannot finish before the first forward reaches it (at least
+    gamma of the earlier stages' time) plus its m micro-batches, so the step is at least
+    max_s (gamma x sum_{s'<s} T_s' + m T_s) >= sum_s w_s (...) for weights w >= 0 summing to
+    one; choosing w so that every T_s' gets the same coefficient c makes the bound
+    independent of the split (m = 1: c = 1 ... for gamma = 1, c = 1 / (1 - ((m-1)/m)^S))."""
+    w = [0.0] * S
+    acc = 0.0  # sum of w_s for s > s'
+    for s in range(S - 1, -1, -1):
+        w[s] = (1.0 - gamma * acc) / m
+        if w[s] < 0:
+            return m / S
+        acc += w[s]
+    return max(1.0 / acc, m / S)

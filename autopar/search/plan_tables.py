@@ -31,9 +31,9 @@ search over thousands of candidates on a 70B graph costs seconds:
                    optimizer states at their dtype, gradient payloads at reduce_dtype; with
                    offload only what stays on the device, `cost.memory.device_resident`, and
                    what the CPU steps; one parameter of each kind) under ZeRO stage z over d
-                   ranks; expert parameters (`search.expert_detect.detect_moe`) divided over e
-                   expert-parallel ranks. A parameter read by several units is
-                   kept apart (`UnitStates.shared`), to be counted on every stage that reads it.
+                   ranks; expert parameters (`search.expert_detect.detect_moe`) over e ep
+                   ranks (whole experts divided, grouped ones cut on ep). A parameter read by
+                   several units is kept apart (`UnitStates.shared`), counted on each reader.
                    Buffers tp-local, the step's temporary without Adam's step scalars, each
                    parameter's gradient in backward (`param_grad`): as cost.estimate counts.
   one stage        `search.plan_rank.RankTables` (inherited): pp = 1 as cost.estimate prices it.
@@ -66,7 +66,7 @@ from autopar.cost.memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, dev
                                  padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
-from autopar.cost.placements import Layout, Placement, conversion_bytes, conversion_time
+from autopar.cost.placements import Placement, conversion_bytes, conversion_time
 from autopar.cost.zero_comm import bucket_caps
 from autopar.passes.plan import torch_dtype
 from autopar.passes.rules.sharding import requires_grad_nodes
@@ -469,25 +469,6 @@ class PlanTables(ContextTables, RankTables):
             hit = self._split_cache[key] = max(0.0, live.peak - live.saved) * scale
         return hit
 
-    def _param_kinds(self, t: int):
-        """Parameters grouped by what their states depend on (shape, dtype, trainable, buffer,
-        tp placement): the 80 blocks of a 70B model have a dozen kinds. Returns
-        (representatives, kind index per parameter, TP layouts)."""
-        key = ("kinds", t)
-        hit = self._split_cache.get(key)
-        if hit is None:
-            info = self.sharding(t)
-            layouts = {n: Layout.of({"tp": p}) for n, p in info.param_placements.items()}
-            reps, index, kinds = [], {}, []
-            for p in self.gc.params:
-                k = (tuple(p.shape), p.numel, p.dtype, p.requires_grad, p.is_buffer, str(layouts.get(p.name)))
-                if k not in index:
-                    index[k] = len(reps)
-                    reps.append(p)
-                kinds.append(index[k])
-            hit = self._split_cache[key] = (reps, kinds, layouts)
-        return hit
-
     def states(self, t: int, zero: int, dp: int, ep: int = 1) -> UnitStates:
         """Model states per unit (see the module docstring), `cost.model_states` for one
         parameter of every kind."""
@@ -495,9 +476,9 @@ class PlanTables(ContextTables, RankTables):
         hit = self._states.get(key)
         if hit is not None:
             return hit
-        reps, kinds, layouts = self._param_kinds(t)
+        reps, kinds, layouts = self._param_kinds(t, ep)  # grouped experts: their ep rows (`plan_rank`)
         reps = with_param_dtype(reps, self.param_dtype)  # as the engine holds them
-        mesh = {"dp": dp, "tp": t}
+        mesh = {"dp": dp, "tp": t, "ep": ep}
         z = zero if dp > 1 else 0
         dense = plan_states(reps, self.opt, precision=self.precision, zero_stage=z, dp=dp, rank=0,
                             param_layouts=layouts, mesh=mesh, dp_axis="dp").per_param
@@ -535,7 +516,7 @@ class PlanTables(ContextTables, RankTables):
         param_grad = np.zeros(len(self.gc.params))
         for i, (p, kind) in enumerate(zip(self.gc.params, kinds)):
             row, gp, ga, tmp, elems, mo, host, pg = per_kind[kind]
-            if ep > 1 and p.name in self.expert_params:
+            if ep > 1 and p.name in self.slot_expert_params:  # whole experts: E / ep of them here
                 row = {c: v / ep for c, v in row.items()}
                 gp, ga, tmp, elems, mo, host, pg = gp / ep, ga / ep, tmp / ep, elems / ep, mo / ep, host / ep, pg / ep
             param_grad[i] = pg

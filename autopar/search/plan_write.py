@@ -5,8 +5,10 @@ runtime's order), the dp axis, the ZeRO stage (on dp, or the joined dp+cp axis w
 parallelism), micro-batches, the sharding ILP's layouts and strategies on tp, pipeline split
 points, schedule and virtual stages, the recompute set, fusions (the fusion search's choice
 unless pinned), with cp the attention exchange the cost model priced (`plan.extra["context"]`,
-which `parallelize` runs and `cost.estimate` reads), the precision that was priced, the
-predictions and the report's reasons as notes.
+which `parallelize` runs and `cost.estimate` reads), with ep the experts' entry
+(`plan.extra["expert"]`, `search.expert.plan_experts` as `build.plan_complete` would write it:
+this rank's experts, the routed rows that `cost.estimate` and the planner price), the precision
+that was priced, the predictions and the report's reasons as notes.
 
 Reads node.meta only through the cost model's tables; writes none. Deterministic: no timings
 in the Plan.
@@ -20,6 +22,7 @@ from autopar.cost import load_profile
 from autopar.cost.placements import Layout
 from autopar.passes.plan import Plan
 from autopar.search.candidate import Evaluation, plain
+from autopar.search.expert import grouped_expert_layouts
 from autopar.search.explain import PlanReport, gib, seconds
 
 __all__ = ["write_plan"]
@@ -54,6 +57,11 @@ def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:
         entry = copy.deepcopy(search.model.context_entry(c))
         plan.extra["context"] = entry
         plan.notes += entry["notes"]
+    if c.ep > 1 and search.model.moe_blocks:  # the experts' entry parallelize runs and cost.estimate reads
+        entry = search.model.expert_plan_entry(c)
+        plan.extra["expert"] = entry
+        plan.notes += entry["notes"]
+        grouped_expert_layouts(plan, axes)  # grouped experts: this rank's rows, as build writes them
     if ev.recompute:
         plan.recompute = {u: "full" for u in sorted(ev.recompute, key=search.model.unit_names.index)}
     elif isinstance(search.recompute, Mapping):

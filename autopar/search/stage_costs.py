@@ -63,7 +63,7 @@ class Chain:
 
 def layer_costs(gm: fx.GraphModule, hardware: Any = "h100-sxm", *, gc: GraphCost | None = None,
                 microbatch: int | None = None, optimizer: Any = "adamw", zero_stage: int = 0, dp: int = 1,
-                master_dtype: Any = "auto") -> Chain:
+                master_dtype: Any = "auto", seq: int | None = None) -> Chain:
     """Cost every pipeline unit of `gm` for one micro-batch.
 
     Args:
@@ -74,6 +74,8 @@ def layer_costs(gm: fx.GraphModule, hardware: Any = "h100-sxm", *, gc: GraphCost
             is re-costed at b = microbatch; with a static one, times and activations scale by
             microbatch / captured rows. None: as captured.
         optimizer, zero_stage, dp, master_dtype: the model-state accounting (`model_states`).
+        seq: tokens of each sequence on one rank, for a graph captured with a symbolic sequence
+            (under context parallelism the captured length / cp); None: as captured.
     """
     t0 = time.perf_counter()
     hw = load_profile(hardware)
@@ -83,6 +85,8 @@ def layer_costs(gm: fx.GraphModule, hardware: Any = "h100-sxm", *, gc: GraphCost
     sizes: dict[str, int] = {}
     scale = 1.0
     symbols = {str(k) for k in gc.values()}
+    if seq is not None and "s" in symbols:
+        sizes["s"] = int(seq)
     if microbatch is not None:
         if "b" in symbols:
             sizes["b"] = int(microbatch)

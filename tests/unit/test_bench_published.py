@@ -7,6 +7,7 @@ micro-batches are the published ones. No timings, no predicted values.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from bench_module import load_bench
@@ -33,10 +34,16 @@ def test_row_costs_the_published_plan_and_reports_its_relative_error():
     assert "planner_plan" not in r  # --no-planner costs only the published plan
 
 
-def test_cp_row_is_reported_not_costed_with_a_reason():
+def _not_costed_row(bench):
+    """A row whose published plan the API cannot price (the cp row was one until pp x cp planned:
+    the reason a Row carries is what is printed; nothing is captured for it)."""
+    return dataclasses.replace(bench.ROWS["llama3-405b-128k-16384"], not_costed="cp=16: a reason given by the row")
+
+
+def test_a_row_marked_not_costed_is_reported_with_its_reason_and_costs_nothing():
     bench = _bench()
-    r = bench.cost_row(bench.ROWS["llama3-405b-128k-16384"], planner=True)
-    assert "predicted" not in r and "cp=16" in r["not_costed"]
+    r = bench.cost_row(_not_costed_row(bench), planner=True)
+    assert "predicted" not in r and "plan" not in r and "cp=16" in r["not_costed"]
     line = bench.table_row(r)
     assert line[4].startswith("not costed") and line[5] == "-"
 
@@ -45,9 +52,26 @@ def test_summary_counts_only_costed_rows_and_prints_the_reason(capsys):
     bench = _bench()
     costed = {"row": bench.ROWS["megatron-22b"], "published": 1.10, "not_costed": None, "predicted": 1.21,
               "error": 1.21 / 1.10 - 1, "seconds": 0.0}
-    skipped = bench.cost_row(bench.ROWS["llama3-405b-128k-16384"], planner=False)
+    skipped = bench.cost_row(_not_costed_row(bench), planner=False)
     bench.print_table([costed, skipped])
     out = capsys.readouterr().out
     assert "summary: 1 rows costed of 2; within +-10 %: 1; within +-15 %: 1" in out
     assert "+10.0%" in out
     assert "note llama3-405b-128k-16384: not costed: cp=16" in out
+
+
+def test_memory_column_compares_the_predicted_peak_with_the_published_runs_measured_memory(capsys):
+    bench = _bench()
+    row = bench.ROWS["torchtitan-70b"]
+    assert row.published_peak_gib == 71.9  # torchtitan's Table 4, "Memory(GiB)"
+    r = {"row": row, "published": row.published, "not_costed": None, "predicted": 900.0,
+         "error": 900.0 / row.published - 1, "peak_gib": 75.0, "predicted_step_s": 18.0, "seconds": 0.0}
+    assert abs(bench.memory_error(r) - (75.0 / 71.9 - 1)) < 1e-12
+    line = bench.table_row(r)
+    assert line[bench.HEAD.index("peak GiB")] == "75.0"
+    assert line[bench.HEAD.index("published GiB")] == "71.9 (+4.3%)"
+    no_pub = {**r, "row": bench.ROWS["megatron-22b"]}  # the paper gives no memory figure
+    assert bench.memory_error(no_pub) is None and bench.table_row(no_pub)[bench.HEAD.index("published GiB")] == "-"
+    over = {**r, "peak_gib": 98.6}  # +37 %: outside the band
+    bench.print_table([r, no_pub, over])
+    assert "memory: 2 rows with a published peak; within +-10 %: 1" in capsys.readouterr().out

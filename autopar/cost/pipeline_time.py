@@ -1,0 +1,209 @@
+"""The step time of a pipeline plan (pp > 1): one implementation for `cost.estimate` and the
+joint planner (`search.plan_cost`).
+
+Given per-stage forward and backward seconds of one micro-batch and the point-to-point time of
+every stage boundary:
+
+  stretch_stage_times   the compute beside the pipeline's own transfers runs (1 + k) times
+                        slower, k the pp link's contention (`cost.overlap.slowdown`): per
+                        micro-batch 2 x (hop in + hop out), taken as overlapping the stage's
+                        compute one after another (an upper estimate where sends and receives
+                        run at once);
+  simulate_ranks        the schedule's dry run (`runtime.schedules.simulate`, through
+                        `cost.schedule`): when each rank's last action ends, its busy time, the
+                        bubble fraction; ValueError when the schedule deadlocks;
+  dp_sync               a rank's data-parallel gradient synchronisation after its last backward
+                        (ZeRO 0/1 all-reduce, 2 reduce-scatter, in buckets of the runtime's caps,
+                        each once its gradients are ready, beside the backward slowed by the
+                        link's contention; ZeRO 1/2's parameter all-gather after the step;
+                        ZeRO 3: counted, its exposure is in the stage times), over "pieces" in
+                        forward order (the planner's pipeline units, estimate's nodes) with
+                        their backward seconds, gradient and gather payloads;
+  buckets               payloads in forward order, reversed, in buckets of the runtime's caps.
+
+The step is then the slowest rank's: its last action's end + its exposed sync + the gather
+after the step + its optimizer step.
+
+Pure functions of numbers: reads no node.meta. Deterministic.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .overlap import CommStream, contention_of, slowdown
+from .pipeline_memory import held_states
+from .schedule import Schedule, simulate
+from .symbolic import evaluate
+
+__all__ = ["buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step", "rank_pieces", "simulate_ranks",
+           "stretch_stage_times"]
+
+
+def stretch_stage_times(F_s: list[float], B_s: list[float], hops: Sequence[float], k: float) -> None:
+    """Stretch per-stage F and B (in place) by the pipeline transfers beside them (see the
+    module docstring); `hops[s]`: seconds of the boundary after stage s."""
+    S = len(F_s)
+    if S < 2 or k <= 0:
+        return
+    for s in range(S):
+        busy = 2 * ((hops[s - 1] if s > 0 else 0.0) + (hops[s] if s < S - 1 else 0.0))
+        w = F_s[s] + B_s[s]
+        extra = slowdown(w, busy, k)
+        if extra > 0:
+            F_s[s], B_s[s] = F_s[s] + extra * F_s[s] / w, B_s[s] + extra * B_s[s] / w
+
+
+def simulate_ranks(sched: Schedule, F_s: Sequence[float], B_s: Sequence[float], p2p: Sequence[float],
+                   what: str = "plan") -> tuple[list[float], list[float], float]:
+    """(end of each rank's last action, each rank's busy seconds, bubble fraction) of one step."""
+    sim = simulate(sched, f=list(F_s), b=list(B_s), p2p=list(p2p))
+    if not sim.ok:
+        raise ValueError(f"{what}: the schedule deadlocks in simulation: {sim.summary()}")
+    return [tl[-1].end if tl else 0.0 for tl in sim.timelines], list(sim.busy), float(sim.bubble_fraction)
+
+
+def dp_sync(mine: Sequence[int], starts: Sequence[int], ends: Sequence[int], B_s: Sequence[float],
+            B_u: Sequence[float], end_r: float, grad_payload: Sequence[float], gather: Sequence[float], dp_link,
+            z: int, replicas: int, micro: int, bucket_bytes: tuple[float, float]) -> tuple[float, float, float, float]:
+    """(exposed, after the step, time, bytes sent) of a rank's gradient sync (its stages
+    `mine`, stage s = pieces starts[s]..ends[s], its last backward ending at `end_r`), on the
+    data-parallel link; earlier virtual stages' gradients are taken as ready when the rank's
+    last backward starts."""
+    if replicas < 2 or dp_link is None:
+        return 0.0, 0.0, 0.0, 0.0
+    if z == 3:
+        t = b = 0.0
+        for s in mine:
+            for x in range(starts[s], ends[s]):
+                if gather[x] > 0:
+                    t += micro * (2 * dp_link.time("all_gather", float(gather[x]))
+                                  + dp_link.time("reduce_scatter", float(grad_payload[x])))
+                    b += micro * (2 * dp_link.bytes_sent("all_gather", float(gather[x]))
+                                  + dp_link.bytes_sent("reduce_scatter", float(grad_payload[x])))
+        return 0.0, 0.0, t, b
+    op = "all_reduce" if z < 2 else "reduce_scatter"
+    last = min(mine)  # the rank's stage whose backward ends last (the lowest)
+    t0 = end_r - B_s[last]
+    ready_at: list[tuple[float, float, float]] = []
+    for s in sorted(mine, reverse=True):
+        if s != last:
+            for x in range(ends[s] - 1, starts[s] - 1, -1):
+                ready_at.append((t0, float(grad_payload[x]), float(gather[x])))
+    ready = t0
+    for x in range(ends[last] - 1, starts[last] - 1, -1):
+        ready += B_u[x]
+        ready_at.append((ready, float(grad_payload[x]), float(gather[x])))
+    stream = CommStream(contention_of(dp_link), free=t0)
+    t_c = w_c = t0  # the compute's wall time, and the work done by then (as a full-speed time)
+    after, t_all, b_all = 0.0, 0.0, 0.0
+    for when, payload, gpay, n in buckets(ready_at, bucket_bytes):
+        if when > w_c:
+            t_c = stream.run(t_c, when - w_c) if stream.k > 0 else when
+            w_c = when
+        d = dp_link.time(op, payload)
+        stream.issue(t_c, n * d)  # n equal buckets ready together go one after another
+        t_all += n * d
+        b_all += n * dp_link.bytes_sent(op, payload)
+        if z >= 1 and gpay > 0:
+            g = n * dp_link.time("all_gather", gpay)
+            after += g
+            t_all += g
+            b_all += n * dp_link.bytes_sent("all_gather", gpay)
+    end_c = stream.run(t_c, end_r - w_c) if stream.k > 0 else end_r  # the backward's end, slowed
+    return max(0.0, stream.free - end_c) + (end_c - end_r), after, t_all, b_all
+
+
+def buckets(ready: list[tuple[float, float, float]], caps: tuple[float, float]):
+    """Gradients (ready, sync, gather payloads) in buckets of caps[0] bytes, then caps[1];
+    yields (ready, payload, gather payload, count): `count` equal buckets in a row, as one run."""
+    cap = caps[0]
+    cur_t, cur_p, cur_g = 0.0, 0.0, 0.0
+    for when, p, g in ready:
+        if p <= 0:
+            continue
+        while p > 0:
+            if cur_p == 0 and cap == caps[1] and p >= 2 * cap:  # whole buckets of this piece, as one run
+                n = int(p // cap) - 1  # the last whole one goes through the general path below
+                share = g * (cap / p)
+                yield when, cap, share, n
+                p -= n * cap
+                g -= n * share
+                continue
+            room = cap - cur_p
+            take = min(p, room) if cur_p > 0 or p <= cap else cap
+            frac = take / p
+            cur_p += take
+            cur_g += g * frac
+            cur_t = when
+            p -= take
+            g -= g * frac
+            if cur_p >= cap * (1 - 1e-12):
+                yield cur_t, cur_p, cur_g, 1
+                cur_p = cur_g = 0.0
+                cap = caps[1]
+    if cur_p > 0:
+        yield cur_t, cur_p, cur_g, 1
+
+
+def rank_pieces(graphs, lo_of: Sequence[int], held, payload_of, gather_of) -> tuple[list[float], list[float]]:
+    """Per node of the stage graphs `graphs` (nodes lo_of[s] .. in graph order): the gradient
+    sync and gather payloads of the trainable parameters each stage holds, at the first node
+    of the stage that reads each (`held[node]`: the states a node reads, itself or through
+    input-free computation); for `dp_sync` over nodes."""
+    pay: list[float] = []
+    gat: list[float] = []
+    for g, lo in zip(graphs, lo_of):
+        n_nodes = len(g.nodes)
+        p_s, g_s = [0.0] * n_nodes, [0.0] * n_nodes
+        for p in g.params:
+            if not p.requires_grad or p.is_buffer:
+                continue
+            at = next((i for i in range(n_nodes) if p.key in held[lo + i]), 0)
+            p_s[at] += payload_of(p)
+            g_s[at] += gather_of(p)
+        pay += p_s
+        gat += g_s
+    return pay, gat
+
+
+def pipeline_step(sched: Schedule, F_s: list[float], B_s: list[float], p2p: Sequence[float], k_pp: float,
+                  rank_tail, what: str = "plan") -> tuple[float, list[float], list[float], float]:
+    """(step, each rank's end, busy seconds, bubble): the stages' F and B stretched by the
+    transfers beside them, the schedule simulated, then per rank its end + `rank_tail(r, end)`
+    (its exposed sync, the gather after the step, its optimizer step); the slowest rank's."""
+    stretch_stage_times(F_s, B_s, p2p, k_pp)
+    ends_r, busy, bubble = simulate_ranks(sched, F_s, B_s, p2p, what)
+    return max(e + rank_tail(r, e) for r, e in enumerate(ends_r)), ends_r, busy, bubble
+
+
+def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, values, mem_div, links: dict,
+                           dp_axis: str | None, zero: int, dp: int, n_micro: int, caps: tuple[float, float],
+                           payload_of, gather_of, mem_speed: float) -> tuple[float, list[float], float, float]:
+    """`cost.estimate`'s step of a pipeline: (step, per-stage F + B, bubble, the slowest rank's
+    optimizer step). Stage s runs its nodes' forward and backward seconds (`fwd_t`, `bwd_t`,
+    tensor-parallel collectives in the graph included); its boundary sends what later stages
+    read of it (the stage graph's outputs, tp-local bytes) over the pp link; each rank syncs
+    its stages' gradients per node (`rank_pieces`, `dp_sync`) and steps its optimizer on its
+    stages' states (`mems[s].opt_bytes` at `mem_speed` bytes/s)."""
+    F_s = [float(sum(fwd_t[n.index] for n in g.nodes)) for g in graphs]
+    B_s = [float(sum(bwd_t[n.index] for n in g.nodes)) for g in graphs]
+    pp_link, dp_link = links.get("pp"), links.get(dp_axis) if dp_axis and dp > 1 else None
+    sent = [float(sum(evaluate(gc.storages[t.key].nbytes, values) / mem_div.get(t.key, 1) for t in g.outputs))
+            for g in graphs[:-1]]
+    p2p = [pp_link.time("send_recv", b) if pp_link is not None and b > 0 else 0.0 for b in sent]
+    B_u = [float(bwd_t[n.index]) for g in graphs for n in g.nodes]
+    starts, at = [], 0
+    for g in graphs:
+        starts.append(at)
+        at += len(g.nodes)
+    ends = starts[1:] + [at]
+    pay, gat = rank_pieces(graphs, [g.nodes[0].index for g in graphs], held_states(gc), payload_of, gather_of)
+    opt_r = [sum(mems[s].opt_bytes for s in sched.stages_of(r)) / mem_speed for r in range(sched.n_ranks)]
+
+    def tail(r: int, end: float) -> float:
+        exposed, after, _t, _b = dp_sync(sched.stages_of(r), starts, ends, B_s, B_u, end, pay, gat, dp_link, zero, dp,
+                                         n_micro, caps)
+        return exposed + after + opt_r[r]
+
+    step, _ends, _busy, bubble = pipeline_step(sched, F_s, B_s, p2p, contention_of(pp_link), tail, "estimate")
+    return step, [f + b for f, b in zip(F_s, B_s)], bubble, max(opt_r)
