@@ -18,8 +18,14 @@ position does not continue; the exchange then carries each token's document inde
 `runtime.context_layout.cp_document_ids`). The mask's computation is then removed. Any other
 mask (padding, sliding windows) and attention dropout are refused, naming the node.
 
+Grouped-query attention whose kv heads the model repeats before attention (models/gpt.py,
+transformers' `repeat_kv`: `reshape(expand(unsqueeze(k)))`, `unrepeated_kv`) exchanges the kv
+heads themselves (the runtime's exchanges take Hkv < Hq heads as `enable_gqa` does): the ring
+moves Hq / Hkv times fewer K/V bytes; the repeat's nodes are removed.
+
 Reads: node.meta["val"], node.meta["autopar"] (local_shape), plan.extra["context"].
-Writes: annotations of the nodes it inserts (those of the SDPA node they replace).
+Writes: annotations of the nodes it inserts (those of the SDPA node they replace; a transpose
+of the unrepeated K/V gets that node's layout and its own shapes).
 Guarantees: no scaled_dot_product_attention is left in a graph with a cp axis > 1; the
 graph is unchanged without one.
 """
@@ -84,14 +90,89 @@ def context_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if isinstance(heads, int) and heads % k:
                 raise ValueError(f"{where}: Ulysses attention splits this rank's {heads} query heads over cp={k}, "
                                  f"which does not divide them; use method='ring' or a cp size that divides {heads}")
+        repeated = []  # grouped-query K/V repeated to the query heads: exchange the kv heads (enable_gqa)
         with g.inserting_before(n):
+            for name, x in (("key", key), ("value", v)):
+                found = unrepeated_kv(x)
+                if found is None:
+                    continue
+                src, transposed = found
+                if transposed:  # (B, T, Hkv, D) -> (B, Hkv, T, D), laid out as the repeated one
+                    t = g.call_function(torch.ops.aten.transpose.int, (src, 1, 2))
+                    ir.copy_meta(x, t)
+                    val, info = src.meta.get("val"), ir.get_info(src)
+                    if isinstance(val, torch.Tensor):
+                        t.meta["val"] = val.transpose(1, 2)
+                    if info is not None:
+                        swap = lambda sh: None if sh is None else (sh[0], sh[2], sh[1], *sh[3:])  # noqa: E731
+                        ir.update(t, shape=swap(info.shape), local_shape=swap(info.local_shape))
+                    src = t
+                repeated.append(x)
+                key, v = (src, v) if name == "key" else (key, src)
             m = g.call_function(target, (q, key, v, axis, causal, opt.get("scale"))
                                 + ((doc,) if doc is not None else ()))
         ir.copy_meta(n, m)
         n.replace_all_uses_with(m)
         g.erase_node(n)
+        _erase_unused(g, repeated)
     _erase_unused(g, dead_masks)
     return gm
+
+
+_IDENTITY_END = 2**62  # a slice to at least this is `x[:]` along its dim
+
+
+def unrepeated_kv(x: fx.Node) -> tuple[fx.Node, bool] | None:
+    """Grouped-query attention's repeat of the kv heads feeding attention, read backwards:
+    `[transpose(1, 2)] reshape(expand(unsqueeze(k0, h + 1)))` (models/gpt.py, transformers'
+    `repeat_kv`), the new dim expanded r times and merged into k0's head dim h, so that head
+    j r + i is kv head j (what `enable_gqa` computes from k0 itself). Returns (k0, whether a
+    transpose(1, 2) must be applied to it to put its heads at dim 1), or None for anything else.
+    Shapes are checked on this rank's shapes (`local_shape` after tp) where the graph has them."""
+    transposed = False
+    n = x
+    if _is(n, torch.ops.aten.transpose.int) and sorted(n.args[1:3]) == [1, 2]:
+        transposed, n = True, n.args[0]
+    if not (_is(n, torch.ops.aten.reshape.default) or _is(n, torch.ops.aten.view.default)):
+        return None
+    e = n.args[0]
+    if not _is(e, torch.ops.aten.expand.default) or not _is(e.args[0], torch.ops.aten.unsqueeze.default):
+        return None
+    u_node = e.args[0]
+    src = u_node.args[0]
+    while _is(src, torch.ops.aten.slice.Tensor) and _identity_slice(src):
+        src = src.args[0]
+    s, es, rs = _shape(src), _shape(e), _shape(n)
+    if s is None or es is None or rs is None or len(s) != 4 or len(es) != 5 or len(rs) != 4:
+        return None
+    u = u_node.args[1] % 5
+    h = u - 1
+    if h != (2 if transposed else 1) or not isinstance(es[u], int) or not isinstance(s[h], int):
+        return None
+    same = [str(a) == str(b) for a, b in zip(es[:u] + es[u + 1:], s)]
+    merged = list(s[:h]) + [s[h] * es[u]] + list(s[h + 1:])
+    if not all(same) or [str(a) for a in rs] != [str(a) for a in merged] or len(x.users) != 1:
+        return None
+    return src, transposed
+
+
+def _is(n, target) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is target
+
+
+def _identity_slice(n: fx.Node) -> bool:
+    start = n.args[2] if len(n.args) > 2 else n.kwargs.get("start")
+    end = n.args[3] if len(n.args) > 3 else n.kwargs.get("end")
+    step = n.args[4] if len(n.args) > 4 else n.kwargs.get("step", 1)
+    return start in (None, 0) and (end is None or (isinstance(end, int) and end >= _IDENTITY_END)) and step in (None, 1)
+
+
+def _shape(n: fx.Node) -> tuple | None:
+    i = ir.get_info(n)
+    if i is not None and i.local_shape is not None:
+        return tuple(i.local_shape)
+    val = n.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def mask_kind(gm: fx.GraphModule, mask: fx.Node, seq) -> tuple[str, fx.Node | None]:
@@ -229,4 +310,4 @@ def _erase_unused(g: fx.Graph, roots: list[fx.Node]) -> None:
         stack.extend(inputs)
 
 
-__all__ = ["context_attention", "mask_kind", "evaluate", "METHODS"]
+__all__ = ["context_attention", "mask_kind", "evaluate", "METHODS", "unrepeated_kv"]

@@ -17,13 +17,18 @@ symbolic sequence length, so the same code runs on the local length `t`. Token-w
   `context_attention` pass's (ring or Ulysses exchange). Anything else is refused here, naming
   the node: a T x T matrix of the data (attention written as matmul + softmax: use SDPA), a
   shift or slice of the sequence (`labels[..., 1:]`: shift the targets outside the model), a
-  reduction over the sequence (a loss computed inside the model: compute it in loss_fn).
+  reduction over the sequence (a loss computed inside the model: compute it in loss_fn). Two
+  MoE router ops are exact on a chunk and pass (`passes/context_routing.py`): a dropless
+  router's queue positions (a running count that only picks slots of a buffer holding every
+  token; with a capacity the drops depend on the whole batch's order, refused with that
+  reason) and the router statistics of a load-balancing loss, which the plan must average over
+  cp (`plan.extra["router_stats"]`, or the expert pass's list with ep: checked here).
 
 The sequence is dim 1 of the first graph input; it must be symbolic (capture with a dynamic
 sequence dim, as `parallelize` does on a mesh with a cp axis).
 
 Reads: node.meta["val"] (symbolic shapes), node.meta["autopar"]; plan.extra["context"]
-({"axis", "method"}). Writes annotations on the nodes it inserts (copies of the node they
+({"axis", "method"}), plan.extra["router_stats"] and plan.extra["expert"]["router_stats"]. Writes annotations on the nodes it inserts (copies of the node they
 stand for, replicated). Guarantees: with cp = 1, or no context entry in the plan, the graph
 is unchanged; afterwards no node outside attention consumes a global-length sequence value.
 """
@@ -35,6 +40,7 @@ import torch.fx as fx
 from autopar.runtime.context_layout import cp_global_len, take_positions
 
 from . import ir
+from .context_routing import routing_exemptions
 from .pass_manager import PassContext
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -60,7 +66,7 @@ def context_positions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     first, seq = sequence_symbol(gm)
     data = data_nodes(gm)
     masks = mask_only_nodes(gm)
-    _refuse_token_mixing(gm, data - masks, seq)
+    _refuse_token_mixing(gm, data - masks, seq, averaged=_router_stats_averaged(ctx, axis))
 
     local_len = _local_len_node(g, first)
     twins: dict[fx.Node, fx.Node] = {}
@@ -119,6 +125,19 @@ def context_positions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+def _router_stats_averaged(ctx: PassContext, axis: str) -> set[str]:
+    """Keys of the router statistics the plan has averaged over `axis`: without ep
+    plan.extra["router_stats"] (axes listed), with ep the expert pass's list (it averages over
+    the batch axes, cp among them)."""
+    extra = getattr(ctx.plan, "extra", None) or {}
+    stats = extra.get("router_stats") or {}
+    out = set(stats.get("keys", [])) if axis in stats.get("axes", []) else set()
+    spec = extra.get("expert") or {}
+    if spec.get("blocks") and spec.get("global_router_stats", True):
+        out |= set(spec.get("router_stats", []))
+    return out
+
+
 # --- what the graph says about the sequence ---------------------------------------------------
 def sequence_symbol(gm: fx.GraphModule):
     """(first input node, the sympy symbol of its dim 1): the sequence length."""
@@ -170,19 +189,39 @@ def check_context_parallel(gm: fx.GraphModule) -> None:
     _refuse_token_mixing(gm, data_nodes(gm) - mask_only_nodes(gm), seq)
 
 
-def _refuse_token_mixing(gm: fx.GraphModule, data: set[fx.Node], seq) -> None:
+def _refuse_token_mixing(gm: fx.GraphModule, data: set[fx.Node], seq, averaged: set[str] | None = None) -> None:
+    """ValueError naming the first node that mixes tokens of the sequence. A dropless MoE
+    router's queue positions and its statistics are exact on a chunk (passes/context_routing.py);
+    `averaged`: the keys of the router statistics the plan averages over cp (None: the caller
+    plans before any plan exists; the pass then checks the plan's list)."""
+    routing = routing_exemptions(gm, data, seq)
+    keys = ir.node_keys(gm) if averaged is not None and routing.stats else {}
     for n in gm.graph.nodes:
         if n not in data or n.op != "call_function" or n.target is SDPA or not _is_tensor(n):
             continue
+        if n in routing.scans:
+            continue
+        where = f"node {n.name} ({n.format_node()}) in {ir.info(n).module or 'the model'}"
+        if n in routing.stats:
+            if averaged is None or keys[n] in averaged:
+                continue
+            raise ValueError(f"{where} is an MoE router statistic (a mean over the tokens for the load-balancing "
+                             "loss), and the plan does not average it over the cp ranks (plan.extra['router_stats'] "
+                             f"lists {sorted(averaged)[:4]}), so each rank's loss would use its own chunk's statistic: "
+                             "let parallelize complete the plan (drop a pinned extra['router_stats']), or use a mesh "
+                             "without cp")
+        if n in routing.refused_scans:
+            raise ValueError(f"{where} scans along the tokens: {routing.refused_scans[n]}, and under context "
+                             "parallelism each rank holds only its chunk of the sequence. Use dropless routing "
+                             "(capacity_factor=None), or a mesh without cp")
         shape = n.meta["val"].shape
         exprs = [s.node.expr for s in shape if not isinstance(s, int)]
-        where = f"node {n.name} ({n.format_node()}) in {ir.info(n).module or 'the model'}"
         if sum(1 for e in exprs if e == seq) >= 2:
             raise ValueError(f"{where} builds a sequence x sequence matrix of the data (attention written out as "
                              "matmul + softmax?); context parallelism exchanges attention only through "
                              "aten.scaled_dot_product_attention: use F.scaled_dot_product_attention "
                              "(transformers: attn_implementation='sdpa'), or a mesh without cp")
-        if any(e.is_Add and seq in e.free_symbols for e in exprs):
+        if n not in routing.slots and any(e.is_Add and seq in e.free_symbols for e in exprs):
             raise ValueError(f"{where} shifts or slices the sequence (a length of {next(e for e in exprs if e.is_Add)}); "
                              "under context parallelism every rank holds only its tokens. Shift targets outside "
                              "the model (pass inputs and next-token targets, compute the loss in loss_fn), "
@@ -197,6 +236,8 @@ def _refuse_token_mixing(gm: fx.GraphModule, data: set[fx.Node], seq) -> None:
                 raise ValueError(f"{where} scans along the sequence (dim {hit[0]}); under context parallelism "
                                  "each rank holds only its tokens, so a running sum, difference, flip or roll "
                                  "over the sequence cannot be computed locally: use a mesh without cp")
+        if n.target in _META_ONLY:  # reads only its input's dtype and device
+            continue
         ins = [a for a in n.all_input_nodes if a in data and _is_tensor(a) and seq in _free(a)]
         if ins and seq not in set().union(*(e.free_symbols for e in exprs)) and n.target is not torch.ops.aten.sym_size.int:
             raise ValueError(f"{where} reduces over the sequence (a loss or pooling inside the model?); under "
@@ -210,6 +251,7 @@ def _dims(x) -> list[int]:
 
 
 _aten = torch.ops.aten
+_META_ONLY = {_aten.new_zeros.default, _aten.new_ones.default, _aten.new_empty.default, _aten.new_full.default}
 # ops that mix tokens along a dim: the dims they run along, from their arguments
 _SCANS = {
     _aten.cumsum: lambda n: _dims(n.args[1] if len(n.args) > 1 else n.kwargs["dim"]),

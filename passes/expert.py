@@ -32,8 +32,8 @@ For each block, with P ranks on the ep axis, this rank (index r) owning experts
   rows, and the sum over experts (a partial sum of the group's tokens) is reduce-scattered
   back to this rank's tokens (`moe.dense_combine`, backward all-gather);
 * router statistics (reductions over tokens of router outputs) are averaged over the batch
-  axes (dp and ep) with `autopar::all_reduce(avg)`, so the load-balancing loss is the one
-  of the whole batch;
+  axes (dp, ep, and cp: a cp rank routes its chunk of every sequence, dropless only) with
+  `autopar::all_reduce(avg)`, so the load-balancing loss is the one of the whole batch;
 * every parameter read gets its gradient right for an engine that averages over dp only:
   expert parameters `moe.grad_scale(1/P)` (their gradient sums the ep group's tokens),
   the others `moe.grad_avg(axis)` (each ep rank saw different tokens).
@@ -43,9 +43,15 @@ tensor does). `gm.meta["autopar_expert"]` records the axis and this rank's exper
 names (for `runtime.program.Program`, its `expert_params`). With tp, the pass runs after
 `shard` and needs the block's tokens and per-expert rows replicated on tp; an expert output
 that is a partial sum is all-reduced before the combine when the original combine was replicated.
+When the combine itself stays a partial sum on tp (sequence parallelism around the block), the
+partial rows go through `moe.combine` as they are (it only moves rows, so the sum commutes with
+it), and the reduce-scatter `shard` put downstream (after the weighted sum over the top-k, on the
+(B, T, C) output) lands them on this rank's sequence shard (sp x ep: tests/dist/test_compose_context.py).
 
 Reads node.meta["autopar"] (shape, dtype, module, layout). Writes node.meta["autopar"] on
-the nodes it inserts and `.layout` S(0) on the ep axis for batch-sharded nodes.
+the nodes it inserts (with the nn_module_stack of the node they stand for, so the cost analysis
+and the recompute search place them in their block; the parameter-side grad ops at the root)
+and `.layout` S(0) on the ep axis for batch-sharded nodes.
 Guarantees: with P = 1 the graph computes what it computed before (local permutes only).
 """
 from __future__ import annotations
@@ -76,8 +82,12 @@ def expert(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     P = ctx.mesh_sizes.get(axis, 1)
     me = ctx.coords.get(axis, 0)
     dp_axis = getattr(ctx.plan, "dp_axis", None)
-    batch_axes = [a for a in (dp_axis, axis) if a and ctx.mesh_sizes.get(a, 1) > 1]
-    others = [a for a, s in ctx.mesh_sizes.items() if s > 1 and a not in (dp_axis, axis, "pp")]
+    # cp splits the tokens too (each rank routes its chunk of every sequence; dropless only,
+    # passes/context_routing.py): router statistics average over it, and a block's rows are
+    # batch rows there, not a placement to check or to all-reduce
+    cp_axis = ((getattr(ctx.plan, "extra", None) or {}).get("context") or {}).get("axis")
+    batch_axes = [a for a in (dp_axis, axis, cp_axis) if a and ctx.mesh_sizes.get(a, 1) > 1]
+    others = [a for a, s in ctx.mesh_sizes.items() if s > 1 and a not in (dp_axis, axis, cp_axis, "pp")]
     node = {k: n for n, k in _keys(gm).items()}
     cf = spec.get("capacity_factor")
     local_experts, drop = set(), set()
@@ -136,6 +146,8 @@ def _new(g: fx.Graph, target, args, like: fx.Node, kwargs=None, shape=None, dtyp
     ir.set_info(m, ir.NodeInfo(shape=shape, dtype=dtype, module=base.module if base else "", kind=kind,
                                layout=base.layout if (base and shape is not None) else None,
                                local_shape=shape))
+    if "nn_module_stack" in like.meta:  # the cost analysis and the recompute search place it in like's module
+        m.meta["nn_module_stack"] = like.meta["nn_module_stack"]
     return m
 
 
@@ -458,6 +470,11 @@ def _grad_ops(gm: fx.GraphModule, axis: str, P: int, experts: set[str]) -> None:
                 m = _new(g, moe.grad_scale, (n, 1.0 / P), n, shape=ir.info(n).shape, dtype=ir.info(n).dtype)
             else:
                 m = _new(g, moe.grad_avg, (n, axis), n, shape=ir.info(n).shape, dtype=ir.info(n).dtype)
+        # identity forward on a parameter, outside every layer (as the cost analysis and the recompute
+        # search see it: a layer's region reads the parameter through it)
+        ir.update(m, module="")
+        if "val" in n.meta:
+            m.meta["val"] = n.meta["val"]
         for u in users:
             u.replace_input_with(n, m)
 

@@ -15,10 +15,14 @@ Each stage becomes one `fx.GraphModule` (`Stage0`, `Stage1` ...), readable with 
   * outputs: the inputs of the next stage (always a tuple); the last stage returns the
     graph's outputs.
   * computation that depends on no input (parameters, buffers, constants: rotary tables,
-    casts of weights) is copied into every stage that reads it, so it never crosses a cut.
+    casts of weights), or on the inputs only through their sizes (a rotary table sliced to a
+    symbolic sequence length, `arange(T)`; random ops excepted), is copied into every stage
+    that reads it, so it never crosses a cut. Under context parallelism such a table is
+    computed at the global length while its `meta["val"]` keeps the local one: sent, it would
+    give the next stage a wrong sequence length.
   * sizes (SymInts) are never sent: a stage computes a size where it first needs it, from
-    its own tensors when it has the size's inputs, else re-reads it from the shape of one of
-    its inputs (`aten.sym_size`), or recomputes it from such sizes.
+    its own tensors when it has the size's inputs, recomputes a size made of other sizes
+    from them, and else re-reads it from the shape of one of its inputs (`aten.sym_size`).
   * `operator.getitem` stays with the node whose tuple it reads.
   * parameters keep their names (`layers.3.attn.wq.weight`). A parameter read on several
     stages (an embedding tied to the LM head; T5's shared embedding, read by the encoder, the
@@ -49,6 +53,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from autopar.runtime._torch_compat import op_schema
 
 from . import ir
 from .pass_manager import PassContext
@@ -114,6 +120,13 @@ def unit_namer(paths: Iterable[str]):
 
 
 def _input_dependent(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """Which nodes depend on the inputs' data. A tensor that depends on the inputs only through
+    their sizes (a rotary table sliced to the sequence length, `arange(T)` position ids: under
+    context parallelism the sequence is symbolic) counts as input-free: every stage that reads
+    it computes it, as it computes a constant, since its value can differ from what its
+    `meta["val"]` says (context_positions computes such tables at the global length and leaves
+    the meta at the local one), so it must neither travel nor give a stage its sizes. Random
+    ops are kept dependent (two stages would draw different values)."""
     dep: dict[fx.Node, bool] = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -122,7 +135,27 @@ def _input_dependent(gm: fx.GraphModule) -> dict[fx.Node, bool]:
             dep[n] = False
         else:
             dep[n] = any(dep[a] for a in n.all_input_nodes)
+            if dep[n] and _shape_only(n, dep):
+                dep[n] = False
     return dep
+
+
+_PURE_MODULES = ("_operator", "operator", "math", "autopar.runtime.context_layout")  # Python callables that draw nothing
+
+
+def _shape_only(n: fx.Node, dep: dict[fx.Node, bool]) -> bool:
+    """A deterministic tensor op whose input-dependent arguments are all sizes."""
+    if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+        return False
+    tags = getattr(n.target, "tags", None)  # an op overload's; a Python function (take_positions) has none
+    if tags is None:
+        if getattr(n.target, "__module__", None) not in _PURE_MODULES:
+            return False
+    else:
+        schema = op_schema(n.target)
+        if torch.Tag.nondeterministic_seeded in tags or (schema is not None and schema.is_mutable):
+            return False
+    return all(_is_size(a) for a in n.all_input_nodes if dep[a])
 
 
 def _is_size(n: fx.Node) -> bool:
@@ -316,8 +349,8 @@ def split_stages(gm: fx.GraphModule, split_points: Sequence[str]) -> StageSplit:
                     targets.add(str(x.target))
                 env[x] = new
                 return new
-            if _is_size(x):  # sizes are made where needed: copied when their inputs are here
-                if all(a in env or not dep[a] for a in x.all_input_nodes):
+            if _is_size(x):  # sizes are made where needed: copied when their inputs are here (or are sizes)
+                if all(a in env or not dep[a] or _is_size(a) for a in x.all_input_nodes):
                     new = g.node_copy(x, lambda a: fetch(a))
                     ir.copy_meta(x, new)
                 else:

@@ -32,7 +32,8 @@ parallel run drops exactly the assignments one process drops on the same batch w
 C. `capacity_factor=cf` computes C = min(Ng, ceil(cf * Ng * K / E)), Ng the group's tokens.
 
 Communication (axis size P > 1), all through `collectives` so `COUNTER` sees it:
-route: all_gather of E int64 counts; dispatch: `all_to_all_v` of the kept rows (uneven splits);
+route: all_gather of E int64 counts (the `autopar::all_gather` op, so a checkpointed block keeps
+its output and recompute does not run it again); dispatch: `all_to_all_v` of the kept rows (uneven splits);
 combine: `all_to_all_v` back. Backward of each all-to-all is the reverse exchange
 (autograd through the `autopar::all_to_all_v` custom op); gathers and scatters are plain
 indexing, so gradients reach x, per-assignment data and the experts' parameters exactly.
@@ -132,9 +133,9 @@ def route(expert_index: torch.Tensor, n_experts: int, axis: str | None = None, c
     if counts.numel() != E:
         raise ValueError(f"expert_index holds ids up to {int(flat.max())}, but there are {E} experts")
     if P > 1:
-        allc = torch.empty(P * E, dtype=torch.int64, device=counts.device)
-        C.all_gather_into_(allc, counts.contiguous(), axis)
-        table = allc.view(P, E).tolist()
+        # through the autopar::all_gather op: a checkpointed block (recompute) keeps its output,
+        # so backward's recompute of the block does not run this collective again
+        table = C.all_gather(counts.contiguous(), axis, 0).view(P, E).tolist()
     else:
         table = [counts.tolist()]
     if capacity_factor is not None:

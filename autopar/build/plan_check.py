@@ -143,20 +143,30 @@ def check_mesh_fits(global_gm: fx.GraphModule, mesh: Any) -> None:
     ep = sizes.get("ep", 1)
     if ep > 1:
         problems += _ep_problems(global_gm, ep, sizes)
-    cp = sizes.get("cp", 1)
-    if cp > 1 and (pp > 1 or ep > 1):
-        problems.append(f"cp={cp} with {'pp' if pp > 1 else 'ep'} is not wired yet (context parallelism runs with dp, "
-                        f"ZeRO and tp): {_CP_WHY['pp' if pp > 1 else 'ep']}; put those ranks on dp or tp")
+    if sizes.get("cp", 1) > 1 and ep > 1:
+        problems += _cp_ep_problems(global_gm, sizes)
     if problems:
         raise ValueError(f"mesh {_mesh_text(sizes)} does not fit the model: " + "; ".join(problems))
 
 
 _SP_HINT = ("; sequence parallelism is not an axis: the tp sharding search chooses it for the norms and "
             "dropouts between tp regions, so give those ranks to tp")
-_CP_WHY = {  # why context parallelism does not combine with these axes yet
-    "pp": "the pipeline's stage programs are cut before the context passes, so no stage splits the sequence",
-    "ep": "the expert dispatch counts tokens per rank along dim 0, and cp splits them along the sequence",
-}
+
+
+def _cp_ep_problems(global_gm: fx.GraphModule, sizes: Mapping[str, int]) -> list[str]:
+    """cp x ep runs for dropless routing: each rank dispatches its chunk's tokens as rows (the
+    batch splits over dp x ep x cp). A capacity-limited router drops assignments by their
+    order in the whole batch, which a chunk of the sequence cannot know."""
+    from autopar.search.expert_detect import detect_moe  # noqa: PLC0415
+
+    out: list[str] = []
+    capped = [b.module for b in detect_moe(global_gm) if not b.dropless]
+    if capped:
+        out.append(f"cp={sizes['cp']} with ep={sizes['ep']} needs dropless routing, but MoE block {capped[0]!r} has a "
+                   "capacity (capacity_factor): which assignments it drops depends on every token before them in the "
+                   "whole batch, and each cp rank holds only its chunk of the sequence; use capacity_factor=None, or "
+                   "put the cp ranks on dp or tp")
+    return out
 
 
 def _ep_problems(global_gm: fx.GraphModule, ep: int, sizes: Mapping[str, int]) -> list[str]:
@@ -281,10 +291,8 @@ def check_plan_against_graph(plan: Plan, global_gm: fx.GraphModule, mesh: Any) -
     ep = sizes.get("ep", 1)
     if ep > 1:
         problems += _ep_problems(global_gm, ep, sizes)
-    cp = sizes.get("cp", 1)
-    if cp > 1 and (pp > 1 or ep > 1):
-        problems.append(f"cp={cp} with {'pp' if pp > 1 else 'ep'} is not wired yet (context parallelism runs with dp, "
-                        f"ZeRO and tp): {_CP_WHY['pp' if pp > 1 else 'ep']}; put those ranks on dp or tp")
+    if sizes.get("cp", 1) > 1 and ep > 1:
+        problems += _cp_ep_problems(global_gm, sizes)
     expert = plan.extra.get("expert") if isinstance(plan.extra, dict) else None
     if isinstance(expert, Mapping) and isinstance(expert.get("blocks"), Mapping):
         paths = _module_paths(global_gm)

@@ -21,6 +21,10 @@ The cheaper wins ("auto"); a named method is checked and priced the same. The en
 the chosen method's exposed time to the step, and the joint planner prices its cp candidates
 with the same entry (`context_facts` once per graph, `price_context` per mesh).
 
+Kv heads are counted as the exchange moves them: a model that repeats its kv heads up to the
+query heads before attention exchanges the kv heads themselves (`passes.context_attention.
+unrepeated_kv`), so the ring's K/V blocks are priced at Hkv heads.
+
 Reads node.meta["val"] of the captured graph (its example sizes).
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.fx as fx
 from autopar.cost.comm import axis_links
 from autopar.cost.hardware import Hardware, load_profile
 from autopar.cost.overlap import contention_of, overlap_extra
+from autopar.passes.context_attention import unrepeated_kv
 from autopar.passes.context_positions import SDPA, check_context_parallel
 
 METHODS = ("auto", "ring", "ulysses")
@@ -62,7 +67,12 @@ def context_facts(gm: fx.GraphModule) -> ContextFacts:
         if n.op == "call_function" and n.target is SDPA:
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             b, h, t, d = (_hint(s) for s in q.shape)
-            calls.append((b, h, _hint(k.shape[1]), t, d, q.dtype))
+            kv = _hint(k.shape[1])
+            found = unrepeated_kv(n.args[1])  # kv heads repeated to the query heads: the exchange moves the kv heads
+            if found is not None:
+                src, transposed = found
+                kv = _hint(src.meta["val"].shape[2 if transposed else 1])
+            calls.append((b, h, kv, t, d, q.dtype))
     if not calls:
         raise ValueError("the model has no scaled_dot_product_attention: nothing exchanges the sequence, so context "
                          "parallelism does not apply; use a mesh without cp")

@@ -18,6 +18,11 @@ is priced as `cost.estimate` prices the same Plan (the one-cost-model rule):
            ring K/V send/recv overlapped with the block computation, or Ulysses' eight
            all-to-alls on the critical path), added to the step as `cost.estimate` adds
            `plan.extra["context"]["exposed_s"][method]`; `context_entry(c)` is that entry.
+           With pp > 1 (each stage holds its layers' exchange: build/program.py cuts the stages
+           after the cp passes) a rank runs only its stages' attention calls, and the exposed
+           time of every stage slot stretches the schedule: `context_pipeline_factor` scales
+           the entry's whole-model figure by the busiest rank's share of the calls (an even
+           split of the layers) times (m v + p - 1) / (m v).
 
 Which cp: divisors k > 1 of the world whose 2k zigzag chunks divide the captured sequence, for
 a graph that passed `passes.context_positions.check_context_parallel` and has attention; the
@@ -87,7 +92,8 @@ class ContextTables:
 
     # ------------------------------------------------------------------ choices and prices
     def context_options(self, k: int, t: int, pinned: str | None = None) -> list[str]:
-        """The exchange to plan with cp = k on tp = t ranks with one pipeline stage: [] when k
+        """The exchange to plan with cp = k on tp = t ranks (chosen at pp = 1: with pp both
+        methods' figures scale by the same `context_pipeline_factor`): [] when k
         cannot split the sequence (or Ulysses was pinned and the heads do not divide), else the
         pinned method or the cheaper one at dp = world / (t k)."""
         facts = self.context_facts()
@@ -114,10 +120,28 @@ class ContextTables:
         return hit
 
     def context_exposed(self, c: Candidate) -> float:
-        """Seconds per step the attention exchange of `c` adds (0 without cp)."""
+        """Seconds per step the attention exchange of `c` adds (0 without cp); with pp, the
+        busiest rank's share of it stretched by the schedule (`context_pipeline_factor`)."""
         if c.cp < 2:
             return 0.0
-        return float(self.context_entry(c)["exposed_s"][c.context] or 0.0)
+        return float(self.context_entry(c)["exposed_s"][c.context] or 0.0) * self.context_pipeline_factor(c)
+
+    def context_pipeline_factor(self, c: Candidate) -> float:
+        """What part of the whole model's exchange (`context_entry`: every attention call, all of
+        a rank's rows) lengthens the step of a pipelined candidate: a pp rank runs the attention
+        calls of its stages only, at most v ceil(n / (p v)) of the n calls with its v stages per
+        rank of an even split of the layers; and an exposed second on every stage of every
+        micro-batch lengthens a pipeline's step by (m v + p - 1) / (m v) seconds (1F1B, GPipe
+        and interleaved: the step is m v + p - 1 stage slots). 1 without pp."""
+        if c.pp < 2:
+            return 1.0
+        facts = self.context_facts()
+        n = len(facts.calls) if facts is not None else 0
+        if n == 0:
+            return 1.0
+        v, m = c.virtual, c.micro
+        share = min(n, v * -(-n // (c.pp * v))) / n
+        return share * (m * v + c.pp - 1) / (m * v)
 
     # ------------------------------------------------------------------ links
     def links(self, c: Candidate) -> dict:

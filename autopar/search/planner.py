@@ -7,7 +7,7 @@ hierarchical:
   outer   enumeration of the discrete choices: the factorisation of the world into
           tp x pp x dp (x ep when the model has MoE blocks and expert parallelism can run; x cp,
           context parallelism, when the graph has attention and a symbolic sequence that 2 cp
-          zigzag chunks divide, without pp or ep, with its exchange: the cheaper of ring and
+          zigzag chunks divide, with pp too, with its exchange: the cheaper of ring and
           Ulysses, `search.plan_context`),
           tp at most the GPUs of a node (tp innermost on the mesh, so its groups share one);
           the ZeRO stage (0-3 when dp > 1); the number of micro-batches (a divisor of the rows
@@ -103,13 +103,18 @@ RUNTIME_SUPPORT = {
     "recompute_with_pp": True,  # build/program.py runs the recompute pass stage by stage
     "zero_with_tied_pp": True,  # runtime/pipeline_tied.py sums tied gradients on the engines' masters
     "ep_with_pp": True,  # the pipelined Program splits the batch over dp x ep (tests/dist/test_ep_pipeline.py)
-    "recompute_with_ep": False,  # api.parallelize: the recompute search finds no block after the expert pass
+    # the expert pass keeps its nodes in their block, so a block is one checkpoint region; its
+    # collectives are kept, not re-run (tests/dist/test_moe_context_recompute.py)
+    "recompute_with_ep": True,
     # selective checkpoint regions allow one backward; zb_h1 / zbv run input and weight gradients
     # as two (torch: "Trying to backward an extra time ... selective activation checkpoint")
     "recompute_with_split_backward": False,
     "cp": True,  # context parallelism (ring / Ulysses) on dp, ZeRO and tp: tests/dist/test_context_parallel.py
-    "cp_with_pp": False,  # build/plan_check.py refuses cp with pp (stage programs are cut before the cp passes)
-    "cp_with_ep": False,  # and with ep (the expert dispatch counts tokens along dim 0, cp splits the sequence)
+    # the stages are cut after the cp passes, each holds its layers' exchange (tests/dist/test_pipeline_context.py)
+    "cp_with_pp": True,
+    # dropless routing: each rank dispatches its chunk's tokens as rows (tests/dist/test_moe_context_recompute.py);
+    # a capacity is refused (passes/context_routing.py: drops depend on the whole batch's token order)
+    "cp_with_ep": True,
 }
 SPLIT_BACKWARD = ("zb_h1", "zbv")
 
@@ -453,7 +458,7 @@ class _Search:
                 + ("; an MoE model whose auxiliary loss reads router statistics runs one micro-batch under "
                    "moe_aux_stats='global' (pass moe_aux_stats='micro_batch' for per-micro-batch statistics)"
                    if self.one_micro and pins.get("n_microbatches", 1) > 1 else "")
-                + (f"; cp={pins['cp']} runs only without pp and ep, on a sequence of {m.seq_len()} tokens that "
+                + (f"; cp={pins['cp']} runs on a sequence of {m.seq_len()} tokens that "
                    f"{2 * pins['cp']} zigzag chunks divide, Ulysses only where the query heads per tp rank divide by cp"
                    + (f" ({m.context_refusal()})" if m.context_refusal() else "")
                    if pins.get("cp", 1) > 1 else "")

@@ -12,16 +12,27 @@ world:
     with its load-balancing loss on): the matrix's tp x ep cell was shown only through the
     older entry `parallelize_experts`; and tp2 x ep2 on the CPU profile at 256 tokens (4
     sequences of 64), where the tp search used to put the MoE blocks' tokens at S(1) and the
-    expert pass refused with a PassError.
+    expert pass refused with a PassError;
+  * sp x ep (moe-tiny, tp2 x ep2, CPU profile, 16 sequences of 256 tokens: 8 a rank): the tp
+    search picks sequence parallelism by itself outside the MoE blocks (embedding, norms and
+    residual stream sharded on the sequence, all-gathered into the routed block, whose experts'
+    partial outputs go through the ep combine and are then reduce-scattered back to the sequence
+    shard), with the tokens dispatched to their experts over ep. At 4 x 64 and 4 x 256 tokens
+    the same search shards no norm on the sequence (all-reduces, no sp; measured 2026-11-26):
+    there the AG + RS pairs' extra latency costs more than the norms and adds they shard. The
+    search's predicted step with sp against its best plan with the norms and residual adds held
+    replicated: equal at 4 x 256, 0.5 % faster at 8 x 256 (which trains the same program), 1.5 %
+    at 16 x 256; the cell runs 16 x 256 for that margin against changes in the cost model.
 
 Every cell: the model in float64, three AdamW steps at lr 1e-2 on the same batches as one
 process; every step's loss (compared in float64) and every exported parameter
 (`autopar.export_state_dict`) within 1e-9 (the exchange only reorders sums; moe-tiny's loss within
 1e-6: its router runs in fp32, see `MOE_LOSS_TOL`), and the program checked to hold what the cell names:
 the Ulysses all-to-all attention, tp-sharded parameters, checkpoint regions, every engine's
-ZeRO stage, the expert dispatch.
+ZeRO stage, the expert dispatch, sequence parallelism (`_sequence_parallel`).
 """
 import functools
+import re
 
 import pytest
 import torch
@@ -40,7 +51,7 @@ MOE_LOSS_TOL = 1e-6
 # moe-tiny with 64-token sequences: 4 of them (256 tokens) are where the CPU profile's tp search
 # picks sequence parallelism on gpt (tests/dist/test_compose_sp_mp.py); one config object so the
 # ranks reuse the parent's capture
-SHAPES = {"moe-64": (4, 64)}
+SHAPES = {"moe-64": (4, 64), "moe-256": (16, 256)}
 
 
 def _moe_config(seq):
@@ -51,7 +62,7 @@ def _moe_config(seq):
     return dataclasses.replace(MoEConfig.tiny(), max_seq_len=seq)
 
 
-MOE_64 = _moe_config(64)
+MOE_64, MOE_256 = _moe_config(64), _moe_config(256)
 
 
 def _build(name):
@@ -59,7 +70,7 @@ def _build(name):
     if name.startswith("moe"):
         from autopar.models import MoE, MoEConfig
 
-        cfg = {"moe": MoEConfig.tiny(), "moe-64": MOE_64}[name]
+        cfg = {"moe": MoEConfig.tiny(), "moe-64": MOE_64, "moe-256": MOE_256}[name]
         return MoE(cfg).double()
     from autopar.models.gpt import GPT, GPTConfig
 
@@ -91,12 +102,25 @@ CELLS = [  # (cell, model, mesh, parallelize keywords, what the program must hol
     # the setting that failed with a PassError before the tp search kept the MoE blocks' routed
     # nodes replicated (build/plan_complete.py expert_node_pins): the search put their tokens at S(1)
     ("tp x ep at 256 tokens, cpu-gloo profile", "moe-64", dict(tp=2, ep=2), {}, ["dispatch", "tp"]),
+    # sp x ep: the search's own choice at 4,096 tokens (the cell fails, not passes, if it stops choosing sp)
+    ("sp x ep at 16 x 256 tokens, cpu-gloo profile", "moe-256", dict(tp=2, ep=2), {}, ["sp", "ep_dispatch", "tp"]),
 ]
+
+
+def _sequence_parallel(pm, code: str) -> bool:
+    """The rank's graph reduce-scatters on tp along the sequence (dim 1 of (B, T, C)), and a norm
+    outside the MoE blocks is planned sequence-sharded on tp (S(1))."""
+    norms = [k for k, lay in pm.plan.node_layouts.items()
+             if ":rms_norm" in k and ".moe" not in k and str(dict(lay.axes).get("tp")) == "S(1)"]
+    return bool(re.search(r"reduce_scatter\.default\(\w+, 'tp', 1, ", code)) and bool(norms)
 
 
 def _holds(pm) -> dict:
     code = "".join(m.code for m in pm.program.modules() if hasattr(m, "code"))
-    return {"ulysses": "ulysses_attention" in code and pm.plan.extra.get("context", {}).get("method") == "ulysses",
+    return {"sp": _sequence_parallel(pm, code),
+            # tokens routed over ep: the plan's route on the ep axis and its dispatch in the graph
+            "ep_dispatch": bool(re.search(r"moe_route\([^)]*'ep'", code)) and "moe_dispatch(" in code,
+            "ulysses": "ulysses_attention" in code and pm.plan.extra.get("context", {}).get("method") == "ulysses",
             "tp": any(any(a == "tp" and str(p) != "R" for a, p in lay.axes) for lay in pm.plan.param_layouts.values()),
             "region": any(type(m).__name__ == "CheckpointRegion" for m in pm.program.modules()),
             "zero3": pm.engine.stage == 3, "dispatch": "dispatch" in code}

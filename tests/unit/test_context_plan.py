@@ -84,6 +84,72 @@ def test_graphs_that_mix_tokens_outside_attention_are_refused_naming_the_node(mo
     assert "node " in str(e.value)
 
 
+def _moe_graph(capacity_factor=None):
+    from autopar.models import MoE, MoEConfig
+
+    torch.manual_seed(0)
+    return capture(MoE(MoEConfig.tiny(capacity_factor)), (torch.zeros(2, 16, dtype=torch.long),), dynamic_seq=True)
+
+
+def test_a_dropless_moe_router_runs_on_a_chunk_and_a_capacity_router_is_refused_with_the_reason():
+    # dropless: the queue positions (a cumsum over the tokens) only pick slots of a buffer that
+    # holds every token, and the router statistics are averaged over cp by the plan
+    check_context_parallel(_moe_graph())
+    with pytest.raises(ValueError, match=r"node cumsum .* in layers\.0\.moe scans along the tokens: .*capacity "
+                                         r".*depends on every token before them in the whole batch.*"
+                                         r"capacity_factor=None"):
+        check_context_parallel(_moe_graph(capacity_factor=1.0))
+
+
+class _RouterScanIntoData(nn.Module):
+    """A running count of top-k choices over the tokens added to the activations: it reads
+    other tokens' routing, so it stays refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.gate = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)  # (B, T, 8)
+        B, T, _ = h.shape
+        idx = self.gate(h.reshape(B * T, 8)).topk(2, dim=-1).indices  # (B*T, 2)
+        pos = (idx.reshape(B * T * 2, 1) == torch.arange(4)).long().cumsum(0)  # (B*T*2, 4)
+        return h + pos.to(h.dtype).view(B, T, 8)
+
+
+def test_a_router_count_that_reaches_the_activations_is_still_refused():
+    gm = capture(_RouterScanIntoData(), (torch.zeros(2, 8, dtype=torch.long),), dynamic_seq=True)
+    with pytest.raises(ValueError, match=r"node cumsum .* scans along the sequence"):
+        check_context_parallel(gm)
+
+
+def test_the_pass_refuses_router_statistics_the_plan_does_not_average_over_cp():
+    from autopar.passes.context_positions import context_positions
+    from autopar.passes.pass_manager import PassContext
+
+    plan = Plan(mesh={"cp": 2}, dp_axis=None)
+    plan.extra["context"] = {"axis": "cp", "method": "ring"}
+    ctx = PassContext(plan=plan, mesh_sizes={"cp": 2}, coords={"cp": 0})
+    with pytest.raises(ValueError, match=r"MoE router statistic .* does not average it over the cp ranks"):
+        context_positions(_moe_graph(), ctx)
+
+
+def test_the_planner_proposes_and_plans_ep_with_cp_for_a_dropless_moe():
+    # the runtime trains dropless ep x cp (tests/dist/test_moe_context_recompute.py), so the
+    # joint planner proposes it (RUNTIME_SUPPORT["cp_with_ep"]) and a pinned one comes out whole
+    from autopar.search.plan_cost import PlanCostModel
+    from autopar.search.planner import RUNTIME_SUPPORT, candidates, clear_cache, plan_for
+
+    gm = _moe_graph()
+    both = {(c.ep, c.cp) for c in candidates(PlanCostModel(gm, "cpu-gloo", 4), 4, {}, RUNTIME_SUPPORT)}
+    assert (2, 2) in both, sorted(both)
+    clear_cache()
+    plan, _ = plan_for(gm, 4, "cpu-gloo", pins={"ep": 2, "cp": 2})
+    assert plan.mesh.get("ep") == 2 and plan.mesh.get("cp") == 2
+    assert plan.extra["context"]["method"] in ("ring", "ulysses")
+
+
 def test_a_static_sequence_is_refused_with_how_to_capture_it():
     gm = capture(_Cumsum(), (torch.zeros(2, 8, dtype=torch.long),))
     with pytest.raises(ValueError, match="symbolic"):

@@ -87,7 +87,8 @@ def test_cp_candidates_follow_the_graph_the_runtime_and_the_pins():
     cands = candidates(m, 4, {}, RUNTIME_SUPPORT)
     cps = {c for c in cands if c.cp > 1}
     assert {(c.cp, c.dp, c.tp) for c in cps} >= {(2, 2, 1), (4, 1, 1), (2, 1, 2)}
-    assert all(c.pp == 1 and c.ep == 1 for c in cps), "cp with pp or ep: the runtime refuses them"
+    assert all(c.ep == 1 for c in cps), "gpt has no MoE block: no ep"
+    assert {(c.cp, c.pp) for c in cps} >= {(2, 2)}, "pp x cp trains (tests/dist/test_pipeline_context.py)"
     assert all(c.context in ("ring", "ulysses") for c in cps) and all(c.context == "none" for c in cands
                                                                          if c.cp == 1)
     assert {c.zero for c in cps if c.cp == 4 and c.dp == 1} == {0, 1, 2, 3}  # ZeRO over the cp ranks
@@ -150,7 +151,48 @@ def test_pins_name_bad_cp_values():
     clear_cache()
     with pytest.raises(ValueError, match="context_method"):
         plan_for(gm, 4, "cpu-gloo", pins={"context_method": "zigzag"})
-    with pytest.raises(ValueError, match="cp=4 runs only without pp and ep"):
-        plan_for(gm, 4, "cpu-gloo", pins={"cp": 4, "pp": 2})
+    with pytest.raises(ValueError, match=r"no plan of 4 ranks matches the pins cp=4, pp=2: .*cp=4 runs on a sequence"):
+        plan_for(gm, 4, "cpu-gloo", pins={"cp": 4, "pp": 2})  # 8 ranks' worth on 4
     plan, _ = plan_for(gm, 4, "cpu-gloo", pins={"cp": 2, "context_method": "ulysses"})
     assert plan.mesh.get("cp") == 2 and plan.extra["context"]["method"] == "ulysses"
+
+
+def test_pp_x_cp_plans_price_each_pipeline_ranks_share_of_the_exchange(long_graph):
+    """With pp each rank runs the attention calls of its stages only, and an exposed second in
+    every stage slot lengthens the schedule: gpt's 2 attention layers on pp=2 (one a rank) under
+    1F1B with 2 micro-batches add half the whole model's exchange times (2 + 2 - 1) / 2 = 3/4
+    of it; the evaluation's step holds it, its bounds stay under the evaluation, and a pinned
+    pp x cp plan comes out of plan_for with its context entry."""
+    m = PlanCostModel(long_graph, "h100-sxm", 8)
+    piped = Candidate(pp=2, dp=2, cp=2, micro=2, schedule="1f1b", context="ring")
+    whole = m.context_entry(piped)["exposed_s"]["ring"]
+    assert whole > 0
+    assert m.context_exposed(piped) == pytest.approx(whole * 0.5 * 1.5, rel=1e-12)
+    gpipe = Candidate(pp=2, dp=2, cp=2, micro=4, schedule="gpipe", context="ring")  # (4 + 1) / 4 of half
+    assert m.context_exposed(gpipe) == pytest.approx(m.context_entry(gpipe)["exposed_s"]["ring"] * 0.5 * 1.25,
+                                                     rel=1e-12)
+    ev = m.evaluate(piped, math.inf)
+    assert math.isfinite(ev.step_s) and ev.step_s > m.context_exposed(piped)
+    assert ev.comm["cp"]["exposed_s"] == pytest.approx(m.context_exposed(piped), rel=1e-12)
+    for lb_t, lb_m in (m.optimistic_bounds(piped), m.lower_bounds(piped)):
+        assert lb_t <= ev.step_s * (1 + 1e-9) and lb_m <= ev.peak_bytes * (1 + 1e-9)
+    clear_cache()
+    plan, _ = plan_for(long_graph, 8, "h100-sxm", pins={"pp": 2, "cp": 2, "dp": 2, "schedule": "1f1b"})
+    assert plan.mesh.get("pp") == 2 and plan.mesh.get("cp") == 2 and len(plan.split_points) == 1, plan.mesh
+    assert plan.extra["context"]["method"] in ("ring", "ulysses") and plan.extra["context"]["axis"] == "cp"
+
+
+def test_the_exchange_is_priced_at_the_kv_heads_a_gqa_model_repeats_before_attention():
+    """gpt repeats its 2 kv heads to the 4 query heads before attention; the context pass
+    exchanges the 2 kv heads themselves (passes/context_attention.py `unrepeated_kv`), so the
+    ring's K/V bytes are those of 2 heads: half of what the same model with 4 kv heads moves."""
+    from autopar.cost.comm import axis_links
+    from autopar.cost.hardware import load_profile
+    from autopar.search.context import context_facts, price_context
+
+    gqa, mha = context_facts(_graph(kv=2)), context_facts(_graph(kv=4))
+    assert {c[2] for c in gqa.calls} == {2} and {c[2] for c in mha.calls} == {4}
+    hw = load_profile("h100-sxm")
+    link = axis_links(hw, {"cp": 4})["cp"]
+    ring = [price_context(f, 4, 1, 2, link, hw)["bytes"]["ring"] for f in (gqa, mha)]
+    assert ring[0] == pytest.approx(ring[1] / 2, rel=1e-12)
