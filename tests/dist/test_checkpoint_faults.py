@@ -35,9 +35,12 @@ def test_torchrun_job_killed_at_one_rank_resumes_from_last_checkpoint_with_ident
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "--max-restarts", "1", "--monitor-interval", "0.5", os.path.join(HERE, "ckpt_train_worker.py"),
            "--root", root, "--steps", "10", "--every", "3", "--kill-rank", "1", "--kill-step", "7"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT; once in CI, rank 3 of the resumed job,
+    # "terminate called without an active exception", cause not found) prints every thread's
+    # Python stack in the output below, so the next occurrence says where it was
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + _tracebacks(proc.stderr) + proc.stderr[-6000:]
     events = [json.loads(line) for line in open(os.path.join(root, "log.jsonl"))]
     ref = {e["step"]: e["loss"] for e in events if e["what"] == "ref"}
     assert sorted(ref) == list(range(10))
@@ -55,6 +58,21 @@ def test_torchrun_job_killed_at_one_rank_resumes_from_last_checkpoint_with_ident
     assert first[6] == second[6]  # step 6 ran twice (lost with the rank, redone after the restart)
     assert len(set(ref.values())) == 10  # the losses move: the comparison is not of constants
     assert sorted(os.listdir(os.path.join(root, "run"))) == ["step_0003", "step_0006", "step_0009"]
+
+
+def _tracebacks(text: str, limit: int = 3) -> str:
+    """The first `limit` Python tracebacks (and faulthandler dumps) in a job's output, 2,000
+    characters each: a rank's own error can sit far above the last lines of four ranks' output."""
+    out, at = [], 0
+    while len(out) < limit:
+        hits = [i for i in (text.find("Traceback (most recent call last)", at), text.find("Fatal Python error", at))
+                if i >= 0]
+        if not hits:
+            break
+        at = min(hits)
+        out.append(text[at:at + 2000])
+        at += 2000
+    return "".join(f"\n--- {t}" for t in out) + ("\n--- last lines:\n" if out else "")
 
 
 GROUP_TIMEOUT_S = 6.0  # above the skew of ordinary steps on a loaded CI machine

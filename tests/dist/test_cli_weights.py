@@ -2,13 +2,19 @@
 `autopar run CKPT_DIR --nproc 2 --save OUT` (the joint planner plans for 2 ranks, each rank
 builds the model on meta and reads its slices of the checkpoint, trains, and writes a Hugging
 Face checkpoint transformers loads); `autopar verify CKPT_DIR --plan` checks a tp plan from
-the checkpoint against one process from the same checkpoint; a missing --weights exits 2."""
+the checkpoint against one process from the same checkpoint; a missing --weights exits 2.
+
+`run` and `verify` run as the user types them (a new Python process each); `plan` and the
+refused `run`, where the process is not what is checked, call the CLI's `main` in this process
+(each subprocess re-imports torch and transformers: seconds of CPU)."""
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from autopar.tools.cli import main
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,16 +47,20 @@ def test_run_from_a_checkpoint_directory_trains_and_saves_a_checkpoint_transform
     assert len(changed) > 10, "two AdamW steps must have changed the weights"
 
 
-def test_verify_a_tp_plan_from_the_checkpoint_against_one_process(checkpoint):
-    r = _cli("plan", "ckpt", "--mesh", "tp=2", "--hardware", "h100-sxm", "--out", "tp.json", cwd=checkpoint)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_verify_a_tp_plan_from_the_checkpoint_against_one_process(checkpoint, monkeypatch, capsys):
+    monkeypatch.chdir(checkpoint)
+    rc = main(["plan", "ckpt", "--mesh", "tp=2", "--hardware", "h100-sxm", "--out", "tp.json"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    assert (checkpoint / "tp.json").exists()
     r = _cli("verify", "ckpt", "--plan", "tp.json", cwd=checkpoint)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "parity: OK" in r.stdout
 
 
-def test_a_missing_weights_path_exits_2_naming_it(checkpoint):
+def test_a_missing_weights_path_exits_2_naming_it(checkpoint, monkeypatch, capsys):
     before = sorted(os.listdir(checkpoint))
-    r = _cli("run", "ckpt/config.json", "--nproc", "2", "--weights", "nowhere.safetensors", cwd=checkpoint)
-    assert r.returncode == 2 and "nowhere.safetensors" in r.stderr, r.stderr[-2000:]
+    monkeypatch.chdir(checkpoint)
+    rc = main(["run", "ckpt/config.json", "--nproc", "2", "--weights", "nowhere.safetensors"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nowhere.safetensors" in err, err[-2000:]
     assert sorted(os.listdir(checkpoint)) == before

@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.models import get
-from harness import world
+from harness import capture_before_fork, world
 
 # fp32, 3 AdamW steps at lr 1e-2. The only difference from one process is the order of the
 # gradient sum (the all-reduce), a few ulps; Adam's m/sqrt(v) amplifies it for gradient
@@ -79,6 +79,15 @@ def _check(results, names, n_micro=1):
 # moe-tiny with its load-balancing loss on (aux_loss_coef 0.01): the router statistics are
 # averaged over dp, so the auxiliary loss is the global batch's, as one process computes it
 NAMES = ["gpt-tiny", "moe-tiny"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _captured_here():
+    """Each model captured here once for the module's worlds (seven of them): the forked ranks
+    find it in the capture memo instead of each tracing it again (harness.capture_before_fork)."""
+    for name in NAMES:
+        model, _loss_fn, batch = _build(name)
+        capture_before_fork(model, batch(BATCH, generator=torch.Generator().manual_seed(1))[0])
 
 
 def test_dp2_gpt_and_moe_match_single_process_after_three_adamw_steps(tmp_path):

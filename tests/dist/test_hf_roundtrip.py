@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from harness import world
+from harness import capture_before_fork, world
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,6 +117,8 @@ def test_hf_checkpoint_to_meta_parallel_training_to_hf_checkpoint_matches_one_pr
         sources[arch] = str(tmp_path / f"src-{arch}")
         _build(arch).save_pretrained(sources[arch])
     refs = {arch: _reference(arch, src) for arch, src in sources.items()}
+    for arch in sources:  # captured here once (a real model and its meta twin share the capture memo's entry)
+        capture_before_fork(_build(arch), (_batches()[0][0],))
     results = world(4, _cells, sources, str(tmp_path / "out"), timeout_s=900)
     for i, (arch, mesh_kw, _opts) in enumerate(CELLS):
         ref_losses, ref_logits = refs[arch]

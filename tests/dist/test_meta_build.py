@@ -14,7 +14,7 @@ import torch
 
 import autopar
 from autopar.models import get
-from harness import world
+from harness import capture_before_fork, world
 
 BATCH, STEPS = 8, 3
 CELLS = [  # (model, mesh, parallelize options)
@@ -90,6 +90,10 @@ def weight_files(tmp_path_factory):
 
 
 def test_meta_models_with_init_or_file_weights_train_as_real_weights_under_zero3_tp_pp_ep(weight_files):
+    for name in sorted({c[0] for c in CELLS}):  # captured here once: the ranks' real and meta builds reuse it
+        torch.manual_seed(0)
+        x0, _ = get(name).example_batch(BATCH, generator=torch.Generator().manual_seed(1))
+        capture_before_fork(get(name).build(), x0)
     results = world(4, _cells, weight_files, timeout_s=600)
     refs = {name: _reference_losses(name) for name in {c[0] for c in CELLS}}
     for i, (name, mesh_kw, _opts) in enumerate(CELLS):

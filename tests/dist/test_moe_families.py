@@ -12,7 +12,8 @@ GraniteMoE-shared, Ernie-4.5-MoE, Jamba (a Mamba layer, replicated, before the M
 gpt-oss (expert biases gathered by the sorted expert ids) and Llama 4 text (dense experts: every
 expert on every token, each rank running its half of the experts on both ranks' tokens) built from
 their config classes (no network), each with a dense layer before the first MoE layer where the family has one. All run
-in one spawned world. The families that cannot get ep and why: docs/moe_zoo.md.
+in one spawned world, each family captured once before it forks (harness.capture_before_fork).
+The families that cannot get ep and why: docs/moe_zoo.md.
 """
 import os
 import sys
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from harness import world
+from harness import capture_before_fork, world
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
 from test_moe_detect_properties import DenseThenMoE  # noqa: E402
@@ -183,6 +184,9 @@ def test_ep2_moe_families_match_one_process_after_three_adamw_steps():
     import transformers
 
     kinds = [k for k, cfg in KINDS.items() if cfg is None or hasattr(transformers, cfg)]
+    for kind in kinds:  # each family captured here once, not on each rank (the capture memo)
+        model, _loss_fn, batch = _build(kind)
+        capture_before_fork(model, batch(torch.Generator().manual_seed(1))[0])
     per_rank = world(2, _ranks, kinds, timeout_s=600.0)
     failures = []
     for kind in kinds:

@@ -26,7 +26,7 @@ from autopar.models import MoE, get
 from autopar.models import moe as moe_mod
 from autopar.search.plan_cost import Candidate, PlanCostModel
 from autopar.search.planner import RUNTIME_SUPPORT, candidates, clear_cache, plan_for
-from harness import world
+from harness import capture_before_fork, world
 
 LOSS_ATOL, PARAM_TOL, BATCH, STEPS = 1e-5, 1e-4, 8, 3
 
@@ -115,6 +115,8 @@ def _tight_limit(name, ws):
 def test_planned_gpt_on_8_processes_matches_one_process():
     limit, plan = _tight_limit("gpt-tiny", 8)
     assert sum(s > 1 for s in plan.mesh.values()) >= 2, plan.mesh
+    model, _loss, batch = _build("gpt-tiny")  # captured here for the ranks' search, not on each of 8
+    capture_before_fork(model, batch(BATCH, generator=torch.Generator().manual_seed(1))[0], search_world=8)
     results = world(8, _run, "gpt-tiny", limit)
     assert results[0][4] == plan.mesh  # every rank carried out the plan the search chose here
     assert results[0][5]["source"] == "planner" and results[0][5]["peak_bytes"] <= limit
@@ -128,6 +130,8 @@ def test_planned_moe_on_4_processes_matches_one_process():
     plan, _rep = plan_for(autopar.capture(model, x0), 4, "cpu-gloo")
     name = "moe-tiny" if plan.mesh.get("ep", 1) > 1 or plan.mesh == {"dp": 1} or \
         all(a in ("tp", "pp") for a in plan.mesh) else "moe-tiny-noaux"
+    model, _loss, batch = _build(name)
+    capture_before_fork(model, batch(BATCH, generator=torch.Generator().manual_seed(1))[0], search_world=4)
     results = world(4, _run, name, None)
     assert results[0][4] == plan.mesh
     _check(results, *_reference(name))

@@ -26,7 +26,7 @@ import autopar
 from autopar.models import get
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.runtime.collectives import COUNTER
-from harness import world
+from harness import capture_before_fork, world
 
 LOSS_ATOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 1e-4
 BATCH = 8
@@ -173,9 +173,18 @@ RUNS_4 = [
 ]
 
 
+def _capture_here(runs):
+    """Capture each model of `runs` here once: the forked ranks find it in the capture memo
+    instead of each tracing it again (harness.capture_before_fork)."""
+    for name in dict.fromkeys(name for name, _mesh, _opts in runs):
+        model, _loss_fn, batch = _build(name)
+        capture_before_fork(model, batch(BATCH, generator=torch.Generator().manual_seed(1))[0])
+
+
 @pytest.fixture(scope="module")
 def tp2_results():
     """The tp=2 world, shared by the parity test and the experts' layout test (one world, not two)."""
+    _capture_here(RUNS_2)
     return world(2, _parallel, RUNS_2)
 
 
@@ -184,6 +193,7 @@ def test_tp2_parity_gpt_moe_vit_llama_bert(tp2_results):
 
 
 def test_tp4_and_dp2_tp2_with_every_zero_stage_parity():
+    _capture_here(RUNS_4)
     _check(world(4, _parallel, RUNS_4), RUNS_4)
 
 
@@ -242,6 +252,8 @@ def _is_megatron(fwd, bwd):
 
 
 def test_search_finds_megatron_on_gpt_tp2_and_tp4():
+    for n_layers in (2, 4):  # captured here once, not on every rank of both worlds
+        capture_before_fork(_mid_gpt(n_layers), (torch.randint(0, 512, (4, 64)),))
     for ws in (2, 4):
         res = world(ws, _counts)
         fwd, bwd = _per_block(res[0])
