@@ -23,7 +23,8 @@ from autopar.search.candidate import plain
 
 __all__ = ["PLANNER_VERSION", "cache_key", "disk_get", "disk_put", "graph_fingerprint"]
 
-PLANNER_VERSION = 3  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory
+PLANNER_VERSION = 4  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory;
+# 4: ep priced as estimate, pipeline memory from the schedule walk, pp x cp and ep x cp planned
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:
