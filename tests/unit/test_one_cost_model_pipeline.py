@@ -31,13 +31,12 @@ Not yet one (the planner only, so the planner's step is the larger):
 import pytest
 import torch
 
-import autopar
 from autopar.cost import estimate, load_profile
 from autopar.cost.schedule import held_peaks, in_flight_per_stage, make_schedule, walk_peaks
-from autopar.models import get
 from autopar.search.candidate import candidates
 from autopar.search.plan_write import write_plan
 from autopar.search.planner import DEFAULT_HEADROOM, RUNTIME_SUPPORT, _Search
+from test_one_cost_model import _capture, _graph  # the captures (hf-* rows from the transformers zoo)
 
 WORLD = 4  # pp 2 and 4, with dp 2 or tp 2 beside pp 2
 RTOL = 1e-6
@@ -45,23 +44,9 @@ STEP_RTOL = {"gpt-tiny": RTOL, "vit-tiny": 0.03, "gpt-tiny-tied": 0.025}  # tp =
 REMAINING = {"cpu-gloo": 0.8, "h100-sxm": 0.25}  # tp conversions / ZeRO-3 exposure (measured <= 69 % / 18 %)
 
 
-def _capture(name, batch=8):
-    torch.manual_seed(0)
-    spec = get(name)
-    x, _ = spec.example_batch(batch, generator=torch.Generator().manual_seed(0))
-    return autopar.capture(spec.build(), x)
-
-
 @pytest.fixture(scope="module")
 def graphs():
-    return {}
-
-
-def _graph(graphs, name):
-    if name not in graphs:
-        graphs[name] = _capture(name)
-    return graphs[name]
-
+    return {}  # name -> captured graph, filled by `_graph`
 
 def _close(got: float, want: float, what: str, rtol: float = RTOL) -> None:
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
