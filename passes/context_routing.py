@@ -170,7 +170,7 @@ def _slot_count_problem(gm: fx.GraphModule, scan: fx.Node, index_of: dict, slots
         return ""
     if not fresh_scatters:
         return ""
-    between = _ancestors(gathered) & _descendants(fresh_scatters)
+    between = _reach(gathered, lambda m: m.all_input_nodes) & _reach(fresh_scatters, lambda m: m.users)
     slots |= between | fresh_scatters | {s.args[0] for s in fresh_scatters}
     return None
 
@@ -188,23 +188,14 @@ def _descends(n: fx.Node, roots: set[fx.Node]) -> bool:
     return False
 
 
-def _ancestors(nodes) -> set[fx.Node]:
+def _reach(nodes, step) -> set[fx.Node]:
+    """`nodes` and every node reached from them by `step` (a node -> its neighbours)."""
     out, todo = set(), list(nodes)
     while todo:
         m = todo.pop()
         if m not in out:
             out.add(m)
-            todo.extend(m.all_input_nodes)
-    return out
-
-
-def _descendants(nodes) -> set[fx.Node]:
-    out, todo = set(), list(nodes)
-    while todo:
-        m = todo.pop()
-        if m not in out:
-            out.add(m)
-            todo.extend(m.users)
+            todo.extend(step(m))
     return out
 
 
