@@ -28,7 +28,9 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -80,7 +82,10 @@ def preload_in_fork_server(*modules: str) -> None:
 
 
 class WorldError(RuntimeError):
-    """One or more ranks of a spawned world failed or did not finish."""
+    """One or more ranks of a spawned world failed or did not finish. `transport_setup_crash`:
+    the failure was gloo's transport crashing while a group connected, nothing else."""
+
+    transport_setup_crash = False
 
 
 def free_port() -> int:
@@ -118,6 +123,18 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, fn: Callabl
         queue.put((rank, False, traceback.format_exc()))
 
 
+def _exit_text(code: int | None) -> str:
+    """A child's exit code in words: "exited with code 1", "killed by SIGABRT"."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def default_start_method(backend: str) -> str:
     """fork, unless the world will use CUDA (an NCCL backend) and this process has initialised
     CUDA already (a forked child could not use it: spawn), or torch is a GPU build (forkserver:
@@ -133,19 +150,45 @@ def default_start_method(backend: str) -> str:
     return "fork"
 
 
+# What a peer of a rank that gloo's TCP transport aborted reports while the group connects
+# (gloo's listener turns a failed accept() into an uncaught exception on its event thread:
+# the rank dies of SIGABRT mid-handshake). Seen once in CI on an overloaded 2-core machine.
+TRANSPORT_SETUP_CRASH = "Gloo connectFullMesh failed"
+
+
 def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", timeout_s: float = 300.0,
               collective_timeout_s: float | None = None, threads: int | None = None,
-              start_method: str | None = None, **kwargs: Any) -> list[Any]:
+              start_method: str | None = None, transport_retries: int = 0, **kwargs: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` fresh processes.
 
     Returns the list of per-rank results (must pickle; otherwise their repr). Raises
     `WorldError` naming each failed rank with its traceback, or the ranks that did not
-    finish within `timeout_s`. `collective_timeout_s`: the job's collective timeout (None:
+    finish within `timeout_s` (and how each rank that did not report ended: killed by a
+    signal, or still running). `collective_timeout_s`: the job's collective timeout (None:
     $AUTOPAR_COLLECTIVE_TIMEOUT_S, else 60 s; see `init_job_process_group`).
     `start_method` (or AUTOPAR_START_METHOD) picks fork or spawn;
     by default fork, except for an NCCL world in a process that has initialised CUDA (spawn:
     `fn` must then be importable by name).
+    `transport_retries`: how many times to start the world afresh when it failed only because
+    gloo's transport crashed while a group connected (a rank reports `TRANSPORT_SETUP_CRASH`
+    and every other failure is a rank that stopped); each retry is printed to stderr. Any
+    other failure is raised at once. `fn` must then be safe to run again.
     """
+    for attempt in range(transport_retries + 1):
+        try:
+            return _run_world_once(world_size, fn, args, kwargs, backend, timeout_s, collective_timeout_s,
+                                   threads, start_method)
+        except WorldError as e:
+            if attempt == transport_retries or not e.transport_setup_crash:
+                raise
+            print(f"autopar run_world: gloo's transport crashed while a group connected; starting the "
+                  f"world again ({attempt + 1} of {transport_retries}):\n{str(e)[-2000:]}", file=sys.stderr,
+                  flush=True)
+    raise AssertionError("unreachable")
+
+
+def _run_world_once(world_size: int, fn: Callable, args: tuple, kwargs: dict, backend: str, timeout_s: float,
+                    collective_timeout_s: float | None, threads: int | None, start_method: str | None) -> list[Any]:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     method = start_method or os.environ.get("AUTOPAR_START_METHOD") or default_start_method(backend)
@@ -191,13 +234,16 @@ def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", 
                         except Exception:
                             break
                     for r in dead:
-                        results.setdefault(r, (False, f"rank {r} exited with code {procs[r].exitcode} "
+                        results.setdefault(r, (False, f"rank {r} {_exit_text(procs[r].exitcode)} "
                                                       "without reporting"))
                     break
-        for p in procs:
+        exits: dict[int, str] = {}  # how each rank that did not report ended
+        for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
+                exits[r] = "still running, killed"
             p.join(timeout=5)
+            exits.setdefault(r, _exit_text(p.exitcode))
     failed = {r: v for r, (ok, v) in results.items() if not ok}
     missing = [r for r in range(world_size) if r not in results]
     if failed or missing:
@@ -206,7 +252,12 @@ def run_world(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", 
             parts.append(f"--- rank {r} failed:\n{failed[r]}")
         if missing:
             why = "stopped after another rank failed" if failed else f"did not finish within {timeout_s:.0f} s"
-            parts.append(f"--- ranks {missing} {why}")
-        raise WorldError(f"{len(failed)} of {world_size} ranks failed, {len(missing)} did not report\n"
+            ends = ", ".join(f"rank {r}: {exits[r]}" for r in missing)
+            parts.append(f"--- ranks {missing} {why} ({ends})")
+        err = WorldError(f"{len(failed)} of {world_size} ranks failed, {len(missing)} did not report\n"
                          + "\n".join(parts))
+        setup = [r for r, v in failed.items() if TRANSPORT_SETUP_CRASH in str(v)]
+        # only the transport's crash: every failed rank reports it (or stopped without a report)
+        err.transport_setup_crash = bool(setup) and len(setup) == len(failed)
+        raise err
     return [pickle.loads(results[r][1]) for r in range(world_size)]
