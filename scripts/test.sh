@@ -5,7 +5,10 @@
 # seed the UTC date) and the single-process tests (tests/unit, tests/bad_inputs), whose report
 # is printed after the dist one. Not pytest-xdist: its workers run I/O threads, and a world forked
 # from a threaded process can inherit a held lock (a rank hung at start-up, seen once in CI).
-# Each report lists its 10 (unit: 5) slowest tests, then the seconds per test module.
+# Each report lists its 10 (unit: 5) slowest tests, then the seconds and CPU-seconds per test module
+# (CPU-s: the pytest process and the ranks and subprocesses it reaped; the figure to compare on a
+# shared machine). AUTOPAR_TEST_PROFILE=dir profiles every rank of every world (tests/conftest.py;
+# read with `python tests/profile_report.py dir`).
 # With arguments, one plain run: `bash scripts/test.sh tests/unit -k capture`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

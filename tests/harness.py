@@ -19,7 +19,8 @@ importing them again (~5 CPU-s a rank with transformers).
 
 `capture_before_fork(model, example_inputs, cp=..., search_world=...)`: a module's fixture
 captures each model structure its cells train once, before its world forks; every rank then
-finds the graph in autopar's capture memo (2-5 CPU-s a rank a structure saved).
+finds the graph in autopar's capture memo (2-5 CPU-s a rank a structure saved), and the fusion
+rules' kernel output types of that graph in their memo (`warm_fusion_types`).
 """
 import os
 
@@ -37,15 +38,20 @@ _warmed = False
 
 
 def world(n: int, fn, *args, timeout_s: float = 240.0, **kwargs):
+    """A gloo world of `n` ranks running `fn`. Started afresh once when gloo's own transport
+    crashed while a group connected (runtime/launch.TRANSPORT_SETUP_CRASH; printed when it
+    happens): an overloaded 2-core CI machine hit it once, in a test unrelated to the crash."""
     kwargs.setdefault("backend", "gloo")
+    kwargs.setdefault("transport_retries", 1)
     return run_world(n, fn, *args, timeout_s=timeout_s, collective_timeout_s=60.0, **kwargs)
 
 
 def warm_parent() -> None:
-    """Once per process, when ranks fork from this process: import what a rank imports and run
-    one capture and one joint plan of gpt-tiny on meta, so that every forked rank inherits the
-    warmed imports, torch.export's first-call set-up and the pure memo tables (sympy dims,
-    small schedules) instead of paying them again (~2 CPU-s a rank). The planner's in-memory
+    """Once per process, when ranks fork from this process: import what a rank imports
+    (FORK_SERVER_MODULES too) and run one capture and one joint plan of gpt-tiny on meta, so
+    that every forked rank inherits the warmed imports, torch.export's first-call set-up and
+    the pure memo tables (sympy dims, small schedules) instead of paying them again (~2 CPU-s a
+    rank). The planner's in-memory
     plan cache is cleared afterwards: no rank reuses the warm-up's plan. No backward pass runs
     and CUDA is not initialised. Does nothing where ranks do not fork from this process (a GPU
     build of torch: fork server, which imports FORK_SERVER_MODULES instead) or with
@@ -58,9 +64,17 @@ def warm_parent() -> None:
         return
     if not _forks():
         return
+    import importlib
+
     import autopar.search.planner as planner
     from autopar.tools.model_source import resolve
     from autopar.tools.planning import plan_model
+
+    for name in FORK_SERVER_MODULES:  # what ranks import lazily (scipy.optimize for the sharding ILP: 0.3 CPU-s a rank)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
     try:
         plan_model(resolve("gpt-tiny"), world_size=4)
@@ -96,11 +110,23 @@ def capture_before_fork(model, example_inputs, *, cp: bool = False, search_world
         kwargs = {}
     try:
         if search_world is not None and hasattr(capture_mod, "capture_for_search"):
-            capture_mod.capture_for_search(model, args, search_world, example_kwargs=kwargs)
+            gm = capture_mod.capture_for_search(model, args, search_world, example_kwargs=kwargs)
         else:
-            capture_mod.capture(model, args, example_kwargs=kwargs, dynamic_seq=cp)
+            gm = capture_mod.capture(model, args, example_kwargs=kwargs, dynamic_seq=cp)
+        warm_fusion_types(gm)
     except Exception:  # noqa: BLE001 - only a speed-up: the ranks report any real failure
         pass
 
 
-__all__ = ["FORK_SERVER_MODULES", "capture_before_fork", "world", "warm_parent", "WorldError"]
+def warm_fusion_types(gm) -> None:
+    """Match every fusion rule on `gm` here, so that the kernels' output types (each one a torch
+    reference run on fake tensors: 0.05-0.07 CPU-s a graph for hf-llama tiny, 0.002 warm) are
+    in the process-wide memo (`passes.rules.fusion_match`) that forked ranks inherit: their fusion
+    search matches the same graph (a capture-memo hit) and finds every type there. The matches
+    themselves are not kept; a rank computes its own."""
+    from autopar.passes.rules.fusion_table import find_matches
+
+    find_matches(gm)
+
+
+__all__ = ["FORK_SERVER_MODULES", "capture_before_fork", "warm_fusion_types", "world", "warm_parent", "WorldError"]

@@ -14,6 +14,7 @@ once a plan is applied, else the global one); writes nothing.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -212,13 +213,24 @@ def is_weight_1d(w: Any, n_last: Any) -> bool:
 # ---------------------------------------------------------------------------- fake values
 
 
+# Emit -> its fake value, for the Emit's life: an Emit's arguments are nodes of a graph the search
+# only reads, and running its op on fake values again for each question the fusion search asks
+# (types, traffic, dtype: three per match) ran the same fake-tensor ops three times
+_EMIT_VALUES: "weakref.WeakKeyDictionary[Emit, Any]" = weakref.WeakKeyDictionary()
+
+
 def value_of(a: Any, cache: dict | None = None) -> Any:
     """The fake value of a match argument: node -> meta["val"], Emit -> its op run on fake
-    values (shapes and dtypes only), containers element-wise, constants as they are."""
-    cache = {} if cache is None else cache
+    values (shapes and dtypes only), containers element-wise, constants as they are.
+    `cache` (id(Emit) -> value): a rewrite's own, for Emits whose argument nodes it is
+    changing; without one an Emit's value is computed once and kept with the Emit."""
     if isinstance(a, fx.Node):
         return a.meta.get("val")
     if isinstance(a, Emit):
+        if cache is None:
+            if a not in _EMIT_VALUES:
+                _EMIT_VALUES[a] = a.target(*value_of(a.args), **value_of(a.kwargs))
+            return _EMIT_VALUES[a]
         if id(a) not in cache:
             cache[id(a)] = a.target(*value_of(a.args, cache), **value_of(a.kwargs, cache))
         return cache[id(a)]

@@ -11,6 +11,7 @@ Reads node.meta["autopar"] through OpView; writes nothing.
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import sympy
@@ -145,9 +146,16 @@ def _size(x):
     return sympy.sympify(x) if isinstance(x, str) else sympy.Integer(x)
 
 
-def _view_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
+def _view_groups(a: tuple, b: tuple) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """Split two shapes of equal numel into aligned groups of dims with equal products
-    (symbolic sizes such as "32*s0" compare exactly through sympy)."""
+    (symbolic sizes such as "32*s0" compare exactly through sympy). A pure function of the two
+    shapes (ints, and symbolic sizes by name), memoized per process: the sympy work costs ~7 ms
+    a call, asked ~25 times a build for the same few view shapes (per layer, pass and mesh)."""
+    return _view_groups_of(tuple(a), tuple(b))
+
+
+@functools.lru_cache(maxsize=4096)
+def _view_groups_of(a: tuple, b: tuple) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     groups, i, j = [], 0, 0
     while i < len(a) or j < len(b):
         gi, gj = [], []
@@ -178,8 +186,8 @@ def _view_groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]]:
                 i += 1
             else:
                 raise TypeError(f"view {a} -> {b} does not keep the number of elements")
-        groups.append((gi, gj))
-    return groups
+        groups.append((tuple(gi), tuple(gj)))
+    return tuple(groups)
 
 
 @rule("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",

@@ -1,0 +1,51 @@
+"""tests/profile_report.py: the per-module summary of the rank profiles that AUTOPAR_TEST_PROFILE
+writes (tests/conftest.py) names the autopar functions a rank spent its CPU in, summed over
+every rank's file of one test module, and leaves other modules' files out."""
+import cProfile
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import profile_report  # noqa: E402
+
+from autopar.passes import ir  # noqa: E402
+
+
+def _busy(n: int) -> None:
+    for i in range(n):
+        ir.NodeInfo(shape=(i, 2), dtype="float32", module=f"layers.{i}").describe()
+
+
+def test_the_report_sums_a_modules_rank_profiles_and_names_the_autopar_functions(tmp_path):
+    for rank, n in ((0, 3000), (1, 1000)):
+        prof = cProfile.Profile(time.process_time)
+        prof.runcall(_busy, n)
+        prof.dump_stats(tmp_path / f"tests.dist.test_a.py.{100 + rank}.r{rank}.prof")
+    prof = cProfile.Profile(time.process_time)
+    prof.runcall(_busy, 10)
+    prof.dump_stats(tmp_path / "tests.dist.test_b.py.200.r0.prof")
+    text = profile_report.report(str(tmp_path), top=5, module="test_a")
+    assert "== tests.dist.test_a.py: 2 rank runs" in text, text
+    assert "test_b" not in text
+    describe = next(line for line in text.splitlines() if "ir.py" in line and "(describe)" in line)
+    assert describe.split()[3] == "4000x", describe  # 3000 + 1000 calls over the two ranks
+
+
+def test_the_sampler_attributes_the_cpu_a_rank_spent_to_the_functions_on_its_stack(tmp_path):
+    sampler = profile_report.Sampler()
+    t0 = time.process_time()
+    sampler.start()
+    try:
+        while time.process_time() - t0 < 0.5:
+            _busy(200)
+    finally:
+        sampler.stop()
+    spent = time.process_time() - t0
+    sampler.dump(str(tmp_path / "tests.dist.test_c.py.300.r0.samples.json"))
+    text = profile_report.report(str(tmp_path), top=10)
+    total = float(text.splitlines()[0].split(" rank runs, ")[1].split()[0])
+    assert 0.5 * spent <= total <= 1.2 * spent, (total, spent)  # a sample per 5 ms of CPU
+    describe = next(line for line in text.splitlines() if "ir.py" in line and "(describe)" in line)
+    assert float(describe.split()[0]) > 0.05, describe
