@@ -15,10 +15,11 @@ from autopar.passes.plan import Plan
 from autopar.passes.plan_schema import PlanFormatError
 from autopar.runtime.checkpoint import CheckpointSaveError
 from autopar.runtime.collective_errors import CollectiveError
+from autopar.runtime.vocab_loss import cross_entropy
 
 __all__ = ["mesh", "parallelize", "optimizer", "sampler", "capture", "CaptureError", "Plan", "ParallelModel",
            "ModuleInit", "save_pretrained", "WeightSource", "PlanFormatError", "PlanMismatchError",
-           "CheckpointSaveError", "CollectiveError"]
+           "CheckpointSaveError", "CollectiveError", "cross_entropy"]
 __version__ = "0.1.0"
 from autopar.checkpoint_api import (CheckpointError, RankUnresponsiveError, bounded_mesh, export_state_dict,  # noqa: E402
                                     fault_guard, import_state_dict, init_restartable, latest_checkpoint, load, save,

@@ -34,7 +34,7 @@ from autopar.passes.plan import Plan
 from autopar.runtime.mesh import Mesh, make_mesh, planning_group
 from autopar.runtime.program import Program
 from autopar.runtime.zero_plain_optim import named_masters
-from autopar.search.shard_search import SHARD_AXES, batch_is_static
+from autopar.search.shard_search import SHARD_AXES, batch_is_static, search_sharding
 
 
 def mesh(world_size: int | None = None, *, device_mesh=None, device_type: str | None = None, **axes: int) -> Mesh:
@@ -156,7 +156,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
                 memory_budget: float | int | None = None, memory_limit: float | None = None,
                 weights: Any = None, strict_weights: bool = True, precision: str | None = None,
                 offload: bool | None = None, context_method: str = "auto",
-                moe_aux_stats: str | None = None) -> ParallelModel:
+                moe_aux_stats: str | None = None, loss_parallel: bool | None = None) -> ParallelModel:
     """Make `model` train on `mesh`.
 
     Args:
@@ -214,6 +214,12 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             before the first step and the joint planner plans one micro-batch; "micro_batch"
             computes them per micro-batch (Megatron's recipe), named in plan.notes. Recorded in
             `plan.extra["moe_aux_stats"]` for models with router statistics.
+        loss_parallel: True keeps a language model's logits sharded over the vocabulary on tp
+            (the head's weight pinned S(0) there unless placed otherwise: passes/vocab_head.py)
+            and `step` / `evaluate` given `autopar.cross_entropy` as loss_fn compute the loss
+            on the shards (two small all-reduces, runtime/vocab_loss.py) instead of gathering
+            them; any other loss_fn gets the gathered logits as before. Recorded as
+            `plan.loss_parallel`, which `plan.predicted` prices. Default None: the plan's own.
     """
     from autopar.passes.plan import engine_options as precision_options  # noqa: PLC0415
     from autopar.passes.plan import precision_fields  # noqa: PLC0415
@@ -257,7 +263,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     global_gm = None
     if plan is None and getattr(mesh, "searched", False):  # autopar.mesh(world_size=N): the joint planner
         global_gm = _capture(args, kwargs, search_world=mesh.world_size)  # the sequence symbolic when cp may pay
-        plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), pins, zero_stage, bucket_mb, n_microbatches, hardware,
+        lp_pin = {"loss_parallel": True} if loss_parallel is True else {}  # the planner prices the vocab-parallel loss
+        plan, mesh = _joint_plan(global_gm, mesh, (args, kwargs), {**(pins or {}), **lp_pin}, zero_stage, bucket_mb,
+                                 n_microbatches, hardware,
                                  memory_limit, precision_pins,  # offload None: the planner decides
                                  moe_aux_stats or "global")
         pins = zero_stage = bucket_mb = n_microbatches = None  # they are in the plan
@@ -284,6 +292,18 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
         if not getattr(mesh, "searched", False):
             check_mesh_fits(global_gm, mesh)
         stamp(plan, global_gm)
+    if loss_parallel is not None:
+        if not isinstance(loss_parallel, bool):
+            raise ValueError(f"loss_parallel must be True or False, got {loss_parallel!r}")
+        plan.loss_parallel = loss_parallel
+        if loss_parallel and mesh.size("tp") > 1 and "tp" not in plan.strategies:  # the head pinned before the search
+            from autopar.passes.vocab_head import pin_vocab_parallel  # noqa: PLC0415
+
+            note, head_pin = pin_vocab_parallel(plan, global_gm, "tp", mesh.size("tp"))
+            plan.notes.append(note)
+            if head_pin and mesh.size("ep") == 1:  # the head's output sharded too (with ep: complete_plan's pins)
+                search_sharding(plan, global_gm, mesh, hardware or _hardware(mesh), group=planning_group(),
+                                node_pins={"tp": head_pin})
     local_gm = rank_copy(global_gm)
     if dp > 1 and batch_is_static(global_gm):
         # the capture specialised the batch dim (e.g. the model reshapes with a literal batch):
@@ -309,6 +329,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             plan.notes.append("the captured graph did not deep-copy: pm.global_graph keeps the model's own tensors")
         else:
             global_gm = described
+    if mesh.size("pp") > 1:  # the stages hold this rank's parameters; the rank program's graph keeps shapes only,
+        local_gm = shape_only_copy(local_gm) or local_gm  # not the other stages' weights (measured: 0.17-0.29 MiB, gpt-tiny)
     pmodel = ParallelModel(program, plan, local_gm, global_gm, records, global_gm.meta.get("autopar_capture", {}))
     if getattr(model, "config", None) is not None:
         pmodel.__dict__["config"] = model.config  # written as config.json by save_pretrained

@@ -42,6 +42,11 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   choice alone moves the two rows in opposite directions, and is not made here. The tied embedding across pipeline
   stages with bf16 parameters is allowed (`ALLOW["zero_with_tied_pp"]`): Megatron runs it,
   autopar's runtime does not yet, and the planner otherwise offers no such candidate.
+  Loss: vocabulary-parallel (`Row.loss_parallel`, the planner's "loss_parallel" pin): Megatron-LM
+  computes the cross-entropy on the tp shards of the logits, `vocab_parallel_cross_entropy`
+  (megatron/mpu/cross_entropy.py at cfd2e21607; megatron/core/tensor_parallel/cross_entropy.py
+  today), behind a VocabParallelEmbedding whose weight is the tied output layer's: the planner
+  pins that weight S(0) on tp and prices the loss on the shards (`search.shard_loss`).
 * llama3-405b-8k-8192 / -16384 / -128k-16384 -- Dubey et al. 2024, "The Llama 3 Herd of Models"
   (arXiv 2407.21783), the table of 4D-parallel configurations: 8,192 GPUs TP8 CP1 PP16 DP64
   seq 8,192, 43 % BF16 MFU; 16,384 GPUs TP8 CP1 PP16 DP128 seq 8,192, 41 %; 16,384 GPUs TP8
@@ -58,6 +63,11 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   (`candidate.virtual_choices`: 2, 3, 4 or 8 for 128 units on 16 ranks) unless
   `--pp-virtual V` pins it (the "pp_virtual" pin; a Row's `vpp` pins it for a source that
   gives it).
+  Loss: vocabulary-parallel, as Megatron-LM's (`vocab_parallel_cross_entropy`, see the Megatron
+  rows), which the paper's training stack builds on; the rows set `Row.loss_parallel` (an
+  assumption: the paper's table does not name the loss kernel). With the logits counted whole
+  when gathered, the 8,192-GPU row's pinned plan needed 110.7 GiB (OVER); priced on the shards,
+  71.3 GiB (2026-11-26).
   The CP16 row pins cp=16 (pp x cp plans since issue 21: tests/dist/test_pipeline_context.py);
   its graph is captured with a symbolic sequence (`dynamic_seq=True`, ~2 min on meta for 405B
   at 131,072 tokens) and the exchange priced by `search.plan_context` (each pp rank runs its
@@ -75,20 +85,27 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   Pins: ZeRO 3 (FSDP), 1 micro-batch (no accumulation), recompute "full".
   Memory: the run's measured 71.9 GiB per GPU (same table, "Memory(GiB)"; the numbers now sit
   in torchtitan's benchmarks/llama3_h100_202412_torchtitan.md, torchtitan 9dec370) is the
-  "published GiB" column. The predicted peak (98.6 GiB on 2026-11-26) is at the loss's
-  backward, and most of it is the loss over the 128,256-token vocabulary for 16 x 8,192 tokens
-  a rank: autopar's runtime hands `loss_fn` replicated outputs (passes/shard.py: every graph
-  output is replicated on tp), so each tp rank's cross-entropy sees all the logits (31.3 GiB
-  in bf16; the cost model counts the log-softmax and its gradient at that size, 62.6 GiB),
-  while torchtitan keeps them vocabulary-sharded (loss_parallel: the output layer's
-  ColwiseParallel with Shard(-1), torchtitan/parallelisms/parallelize_llama.py) and drops them
-  before backward (`del pred`, train.py). One more difference is the planner's (the tp
-  sharding is not pinned): it keeps the attention weights whole on tp (sequence-sharded
-  projections, all-to-alls to and from heads) where torchtitan shards them by heads, 9.0 GiB
-  of model state instead of 4.1. The rest is as torchtitan runs it: 16 bytes of model state
-  per parameter at ZeRO 3 (fp32 shard, fp32 gradient, two Adam states; no bf16 shard is
-  kept), one layer input per block under full recompute (20.5 GiB), and the same repeat_kv
-  copies of k and v (torchtitan's llama model.py calls repeat_kv too).
+  "published GiB" column. The row runs as torchtitan does, with its loss_parallel: the output
+  layer's weight pinned S(0) on tp (ColwiseParallel, Shard(-1) output,
+  torchtitan/parallelisms/parallelize_llama.py) and `Plan.loss_parallel`, so the logits stay
+  vocabulary-sharded and the cross-entropy runs on the shards (autopar.cross_entropy,
+  runtime/vocab_loss.py). The joint planner prices it (the "loss_parallel" pin: the head pinned,
+  the loss on the shards in its memory tables and sharding ILP, as `cost.estimate` prices it).
+  On 2026-11-26: 98.6 GiB before the vocab-parallel loss (its log-softmax and gradient over all
+  128,256 tokens for 16 x 8,192 tokens a rank, 62.6 GiB, but the held logits and their gradient
+  counted at a shard's size though the runtime gathers them); 153.4 GiB for the gathered loss
+  once the gathered logits are counted whole (cost/loss_memory.py: 4 x 31.3 GiB in bf16, OVER);
+  39.1 GiB with the parallel loss (the logits' shard held plus one shard-sized buffer, 2 x 3.9
+  GiB), the planner's own figure since it prices the pin (helper-50), -45.6 % against the
+  published 71.9. What is left is not priced: torchtitan's loss
+  upcasts the logits to fp32 (`cross_entropy_loss`: `pred.flatten(0, 1).float()`), the caching allocator's reserve
+  and fragmentation, Float8 and NCCL buffers, torch.compile's workspaces. The planner also
+  keeps the attention weights whole on tp (sequence-sharded projections, all-to-alls to and
+  from heads) where torchtitan shards them by heads, 9.0 GiB of model state instead of 4.1.
+  The rest is as torchtitan runs it: 16 bytes of model state per parameter at ZeRO 3 (fp32
+  shard, fp32 gradient, two Adam states; no bf16 shard is kept), one layer input per block
+  under full recompute (20.5 GiB), and the same repeat_kv copies of k and v (torchtitan's
+  llama model.py calls repeat_kv too).
 * ours-1.1b -- measured here: the 1.1 B Llama-style GPT of scripts/gpu_check, bf16-mixed,
   batch 4 x 2048, one H100 (world 1, profile h100-sxm), 122 ms per step
   (benchmarks/RESULTS.md, the "autopar dp" row of the gpu_check table, 2026-11-25).
@@ -196,19 +213,22 @@ class Row:
     not_costed: str | None = None  # why the published plan cannot be priced through the API
     cp: int = 1  # context-parallel degree of the published plan
     vpp: int | None = None  # published virtual stages per pipeline rank (interleaved_1f1b), if given
+    loss_parallel: bool = False  # the run kept the logits vocab-sharded (torchtitan's loss_parallel, Megatron's
+    # vocab_parallel_cross_entropy): the planner's "loss_parallel" pin
 
 
 def _mega(key, h, a, L, tp, pp, batch, t):
     return Row(key, ("gpt3", h, a, L), tp * pp, "a100-80gb", 2048, batch,
                {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0, "n_microbatches": batch, "recompute": "none",
-                **({"schedule": "1f1b"} if pp > 1 else {})}, "step_s", t, "Korthikanti et al. 2022, Table 4")
+                **({"schedule": "1f1b"} if pp > 1 else {})}, "step_s", t, "Korthikanti et al. 2022, Table 4",
+               loss_parallel=True)  # Megatron-LM's vocab_parallel_cross_entropy
 
 
 def _llama(key, gpus, dp, per_dp, mfu, seq=8192, cp=1):
     return Row(key, ("spec", "llama3-405b"), gpus, "h100-sxm", seq, dp * per_dp,
                {"tp": 8, "pp": 16, "dp": dp, "zero_stage": 2, "n_microbatches": per_dp, "schedule": "interleaved_1f1b",
                 **({"cp": cp} if cp > 1 else {})},
-               "mfu", mfu, "Llama 3 paper, Table 4", cp=cp)
+               "mfu", mfu, "Llama 3 paper, Table 4", cp=cp, loss_parallel=True)  # vocab-parallel (docstring)
 
 
 OURS_1B = dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=2048,
@@ -222,9 +242,10 @@ ROWS: dict[str, Row] = {r.key: r for r in [
     _mega("megatron-530b", 20480, 128, 105, 8, 35, 280, 37.83),
     _mega("megatron-1t", 25600, 160, 128, 8, 64, 512, 71.49),
     Row("torchtitan-70b", ("spec", "llama3-70b"), 256, "h100-sxm", 8192, 512,
-        {"tp": 8, "pp": 1, "dp": 32, "zero_stage": 3, "n_microbatches": 1, "recompute": "full"},
+        {"tp": 8, "pp": 1, "dp": 32, "zero_stage": 3, "n_microbatches": 1, "recompute": "full",
+         "param_layouts": {"lm_head.weight": {"tp": "S(0)"}}},  # ColwiseParallel output, Shard(-1)
         "tokens_per_s_gpu", 829.0, "torchtitan docs/performance.md, Table 4 (Float8)", memory_gb=96.0,
-        published_peak_gib=71.9),
+        published_peak_gib=71.9, loss_parallel=True),
     _llama("llama3-405b-8k-8192", 8192, 64, 32, 0.43),
     _llama("llama3-405b-8k-16384", 16384, 128, 16, 0.41),
     _llama("llama3-405b-128k-16384", 16384, 8, 16, 0.38, seq=131072, cp=16),
@@ -314,7 +335,7 @@ def published_label(row: Row) -> str:
 def row_pins(row: Row, pp_virtual: int | None = None) -> dict[str, Any]:
     """The row's published plan as planner pins; `pp_virtual` (else the row's own `vpp`) pins
     the virtual stages per rank of an interleaved schedule (otherwise the planner searches it)."""
-    pins = dict(row.pins)
+    pins = dict(row.pins, **({"loss_parallel": True} if row.loss_parallel else {}))
     v = pp_virtual or row.vpp
     if v and pins.get("schedule") == "interleaved_1f1b":
         pins["pp_virtual"] = v
@@ -351,6 +372,8 @@ def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None) -> d
     out["error"] = out["predicted"] / row.published - 1
     out["peak_gib"] = float(plan.predicted["peak_bytes"]) / 2**30
     out["predicted_step_s"] = float(plan.predicted["step_s"])
+    if row.loss_parallel and not plan.loss_parallel:
+        raise RuntimeError(f"{row.key}: the planner did not write loss_parallel into the pinned plan")
     if planner:
         try:
             pplan, _ = plan_for(gm, row.gpus, hw, global_batch=row.global_batch, allow=ALLOW, memory_limit=limit,
@@ -412,6 +435,9 @@ def print_table(results: list[dict]) -> None:
                   "its time is priced with no memory limit")
         if r.get("planner_error"):
             print(f"note {key}: the planner found no plan: {r['planner_error']}")
+        if r["row"].loss_parallel and "plan" in r:
+            print(f"note {key}: loss_parallel: the pinned plan priced with the vocab-parallel loss (the planner's "
+                  f"'loss_parallel' pin), peak {r['peak_gib']:.1f} GiB")
 
 
 def breakdown(r: dict) -> str:

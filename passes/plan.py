@@ -142,6 +142,8 @@ class Plan:
     predicted: the cost model's predictions for this plan (step time, memory per rank ...).
     notes: human-readable reasons, one per decision.
     extra: what passes and searches record beyond the fields above (carried along untouched).
+    loss_parallel (a property over extra["loss_parallel"]): the logits stay vocab-sharded on tp
+        and the loss runs vocab-parallel (runtime/vocab_loss.py).
     graph: the graph the plan was made for (`plan_schema.graph_stamp`: fingerprint, counts);
         empty for a plan written by hand, which is then checked name by name only.
     param_dtype: "fp32" | "bf16" | "fp16" | "fp64": compute dtype of the parameters; None:
@@ -202,6 +204,23 @@ class Plan:
         for s in self.mesh.values():
             n *= s
         return n
+
+    @property
+    def loss_parallel(self) -> bool:
+        """The logits stay sharded over the vocabulary on tp (the head's weight sharded on its
+        out dim) and the loss runs vocab-parallel (runtime/vocab_loss.py) when `step` is given
+        `autopar.cross_entropy`; read by passes/shard.py, the runtime and the cost model
+        (cost/loss_memory.py). Stored as `extra["loss_parallel"]` (JSON round trip)."""
+        return bool(self.extra.get("loss_parallel", False))
+
+    @loss_parallel.setter
+    def loss_parallel(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise PlanFormatError(f"loss_parallel must be True or False, got {on!r}")
+        if on:
+            self.extra["loss_parallel"] = True
+        else:
+            self.extra.pop("loss_parallel", None)
 
     @property
     def dp(self) -> int:

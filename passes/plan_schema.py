@@ -237,6 +237,9 @@ def validate_plan_dict(d: Any, source: str = "the plan") -> None:
             out.append(f"plan field {f!r}: expected an object, got {_got(d[f])}")
     if "notes" in d:
         _check_str_list("notes", d["notes"], out)
+    if isinstance(d.get("extra"), Mapping) and not isinstance(d["extra"].get("loss_parallel", True), bool):
+        out.append("plan field 'extra', key 'loss_parallel': expected true or false, got "
+                   f"{_got(d['extra']['loss_parallel'])}")
     g = d.get("graph")
     if isinstance(g, Mapping):
         for k in ("fingerprint", "tensors", "dtypes", "ops"):

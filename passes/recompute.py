@@ -231,6 +231,10 @@ class CheckpointRegion(nn.Module):
     ops between the body's `_save_begin`/`_save_end` markers that are not views, and of
     communicating autopar ops, are kept; everything else is recomputed in backward."""
 
+    # one backward may walk a region (a selective checkpoint's cache is spent by it): the
+    # zero-bubble pipeline runs a stage holding one whole (runtime.pipeline_split.allows_one_backward)
+    ONE_BACKWARD = True
+
     def __init__(self, body: fx.GraphModule, region: str, recompute_collectives: bool = False):
         super().__init__()
         self.body = body

@@ -23,8 +23,11 @@ node and the valid choices. Then:
 
 Reads node.meta["autopar"] (shape, layout, local_shape). Writes node.meta["autopar"].layout and
 .local_shape for every tensor node (the axis's placement merged in), and annotations on the
-nodes it inserts (kind "collective"). Guarantees: every graph output is replicated on the axis;
-no collective is inserted where placements already agree.
+nodes it inserts (kind "collective"). Guarantees: every graph output is replicated on the axis,
+except under `plan.loss_parallel` the one output sharded along its last dim (the logits of a
+column-parallel head), left vocab-sharded and recorded in gm.meta["autopar_vocab_shard"]
+({"output", "axis", "dim", "size"}; also on the output node's meta: runtime/vocab_loss.py); no
+collective is inserted where placements already agree.
 Option `ctx.options["inputs_require_grad"]`: graph inputs get complete gradients too (they
 are data, so by default their gradients are left partial and not communicated).
 """
@@ -147,6 +150,7 @@ def _shard_axis(gm: fx.GraphModule, ctx: PassContext, axis: str, k: int, table: 
         conv[key] = x
         return x
 
+    loss_parallel = bool(getattr(ctx.plan, "loss_parallel", False))
     for n in list(g.nodes):
         if n.op == "placeholder":
             if is_tensor(n):
@@ -165,9 +169,10 @@ def _shard_axis(gm: fx.GraphModule, ctx: PassContext, axis: str, k: int, table: 
             place[n] = s.out
             set_layout(n, s.out)
             continue
+        keep_sharded = _vocab_output(gm, n, axis, place) if n.op == "output" and loss_parallel else None
         for a, p in zip(ins, s.ins):
-            if p is None:
-                continue
+            if p is None or a is keep_sharded:
+                continue  # the logits stay vocab-sharded: the vocab-parallel loss reads the shard
             if a not in place:
                 raise ShardPlanError(f"{n.name} reads {a.name}, which has no placement on {axis!r}")
             pg = partial_grad(s, p, a, rg)
@@ -210,6 +215,30 @@ def _shard_axis(gm: fx.GraphModule, ctx: PassContext, axis: str, k: int, table: 
             place[n] = s.out
             set_layout(n, s.out)
     g.lint()
+
+
+def _vocab_output(gm: fx.GraphModule, out: fx.Node, axis: str, place: dict) -> fx.Node | None:
+    """The graph output that stays sharded under `Plan.loss_parallel`: the one floating output
+    sharded on `axis` along its last dim (the logits, vocab-parallel after a column-parallel
+    head). Records it as gm.meta["autopar_vocab_shard"] and on the output node's meta under
+    the same key (runtime/vocab_loss.py reads either); None,
+    and nothing recorded, when no output or several are so sharded (all are then gathered)."""
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    found = []
+    for i, a in enumerate(flat):
+        if not isinstance(a, fx.Node) or not is_tensor(a):
+            continue
+        p, shape = place.get(a), value_shape(a)
+        val = a.meta.get("val")
+        if isinstance(p, Shard) and shape and p.dim == len(shape) - 1 and isinstance(shape[-1], int) \
+                and isinstance(val, torch.Tensor) and val.is_floating_point():
+            found.append((i, a, p.dim, shape[-1]))
+    if len(found) != 1:
+        return None
+    i, a, dim, size = found[0]
+    entry = {"output": i, "axis": axis, "dim": dim, "size": size}
+    gm.meta["autopar_vocab_shard"] = out.meta["autopar_vocab_shard"] = entry  # the node's: a pipeline cut keeps it
+    return a
 
 
 def _origin(n: fx.Node) -> fx.Node:

@@ -31,7 +31,16 @@ asynchronous and awaited at the end of the step; the schedule is checked by the 
 construction, so a run cannot deadlock on the schedule's own waits.
 
 Zero-bubble split (`I` then `W`): `I` computes only the input gradients, `W` the weight
-gradients later, from the gradients `I` captured (runtime/pipeline_split.py says how).
+gradients later, from the gradients `I` captured (runtime/pipeline_split.py says how). A
+stage holding activation-checkpoint regions (`pipeline_split.allows_one_backward`) runs its
+whole backward at its `I`'s place and no `W` (`fuse_backward`; `fused_stages` lists them): a
+selective checkpoint's cache serves one backward (a second raises), and through a plain one
+every `W` autograd call (one per parameter group) recomputes its region again (measured on
+one process, benchmarks/bench_split_backward_recompute.py: 16 block forwards a step instead
+of 8, the split backward 1.38-1.50x the fused one in three runs on a shared CPU), more than
+the bubble a `W` fills. Its gradients are then made, and reduced, exactly once, as under
+1F1B; the other stages keep the split. `schedule` is the schedule this rank runs
+(`cost.schedule.fuse_backward` gives the cost model the same one).
 
 Data parallel (pp x dp): give `engines={stage: make_engine(module, mesh, "dp", stage=k)}`
 (any ZeRO stage 0-3; the engines' collectives use the active mesh, `set_active_mesh`);
@@ -63,10 +72,10 @@ import torch.nn as nn
 
 from .collective_errors import failed, p2p, where
 from .collectives import COUNTER
-from .pipeline_split import WeightGradState, backward_input, backward_weight
+from .pipeline_split import WeightGradState, allows_one_backward, backward_input, backward_weight
 from .pipeline_tied import TiedCopies, TiedPair
 from .zero_optim import loss_scale_factor
-from .schedules import Action, Kind, Schedule, simulate
+from .schedules import Action, Kind, Schedule, fuse_backward, simulate
 
 __all__ = ["PipelineExecutor", "split_microbatches", "backward_input", "backward_weight", "WeightGradState"]
 
@@ -151,6 +160,9 @@ class PipelineExecutor:
         extra = sorted(set(self.engines) - set(self.modules))
         if extra:
             raise ValueError(f"engines given for stages {extra} that pp rank {self.pp_rank} does not hold ({mine})")
+        # stages whose backward cannot be split (checkpoint regions): their I runs B, no W
+        self.fused_stages = sorted(s for s, mod in self.modules.items() if allows_one_backward(mod))
+        self.schedule = schedule = fuse_backward(schedule, self.fused_stages)
         sim = simulate(schedule, f=1, b=1, i=1, w=1)
         sim.raise_if_deadlocked()
         self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.modules.items()}
@@ -160,6 +172,7 @@ class PipelineExecutor:
             if a.kind in (Kind.B, Kind.W):
                 self._last_grad_action[a.stage] = k
         self._recv_plan = self._build_recv_plan()
+        self._received_proof = self._build_received_proof()
         # construct on every rank at the same point: it creates the tied groups' process groups
         self._tied = TiedCopies(list(tied), self.modules, self.engines, schedule, mesh, axis)
 
@@ -182,6 +195,27 @@ class PipelineExecutor:
             if seq:
                 plan[q] = seq
         return plan
+
+    def _build_received_proof(self) -> dict[tuple, frozenset]:
+        """For each message a peer sends this rank: the messages of this rank that the peer has
+        consumed before sending it (both derive it from the schedule). Once it arrives, those
+        sends are complete, so their tensors can be released before the end of the step (gloo's
+        `is_completed` stays False until `wait`)."""
+        me, out = self.pp_rank, {}
+        for q, acts in enumerate(self.schedule.actions):
+            if q == me:
+                continue
+            consumed: set = set()
+            for a in acts:
+                if a.kind is Kind.F and a.stage > 0 and self._rank_of(a.stage - 1) == me:
+                    consumed.add(("F", a.stage - 1, a.mb))
+                elif a.kind in (Kind.B, Kind.I) and a.stage < self.last_stage and self._rank_of(a.stage + 1) == me:
+                    consumed.add(("B", a.stage + 1, a.mb))
+                if a.kind is Kind.F and a.stage < self.last_stage and self._rank_of(a.stage + 1) == me:
+                    out[("F", a.stage, a.mb)] = frozenset(consumed)
+                elif a.kind in (Kind.B, Kind.I) and a.stage > 0 and self._rank_of(a.stage - 1) == me:
+                    out[("B", a.stage, a.mb)] = frozenset(consumed)
+        return out
 
     # --- one step ---------------------------------------------------------------------------
     def step(self, microbatches: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> torch.Tensor:
@@ -233,12 +267,12 @@ class PipelineExecutor:
                 else:
                     backward_weight(self._wstate.pop((a.stage, a.mb)))
                     self._drop(a.stage, a.mb)
-            if len(self._sends) > 64:
-                self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            self._sends = [(w, t, key) for w, t, key in self._sends if not w.is_completed()]  # NCCL: done ones
         with where("pipeline sends, gradient reduction, loss broadcast"):
-            for w, _ in self._sends:
+            for w, _t, _key in self._sends:
                 w.wait()
             self._sends = []
+            self._mbs = self._targets = None  # not kept alive until the next step
             for s in sorted(self.engines):
                 self.engines[s].finish_backward()
             self._tied.reduce()
@@ -324,7 +358,7 @@ class PipelineExecutor:
             body = torch.tensor(meta, dtype=torch.int64, device=self.device)
             head = torch.tensor([body.numel()], dtype=torch.int64, device=self.device)
             for t in (head, body):
-                self._sends.append((p2p("send", dist.isend, t, dst, self.group, self.axis), t))
+                self._sends.append((p2p("send", dist.isend, t, dst, self.group, self.axis), t, key))
                 COUNTER.record("send_meta", self.axis, t.numel() * t.element_size())
         elif self._meta_out[chan] != sig:
             what = "outputs" if key[0] == "F" else "input gradients"
@@ -333,7 +367,7 @@ class PipelineExecutor:
                              "(split the batch evenly, see split_microbatches)")
         for t in tensors:
             t = t.contiguous()
-            self._sends.append((p2p("send", dist.isend, t, dst, self.group, self.axis), t))
+            self._sends.append((p2p("send", dist.isend, t, dst, self.group, self.axis), t, key))
             COUNTER.record("send", self.axis, t.numel() * t.element_size())
 
     def _needs(self, a: Action):
@@ -392,6 +426,15 @@ class PipelineExecutor:
         bufs, works = self._posted.pop(key)
         for w in works:
             w.wait()
+        done = self._received_proof.get(key)
+        if done:  # the peer consumed these before sending `key`: their sends are complete
+            keep = []
+            for w, t, k in self._sends:
+                if k in done:
+                    w.wait()  # returns at once
+                else:
+                    keep.append((w, t, k))
+            self._sends = keep
         chan = key[:2]
         return [t.requires_grad_(r) if (t.is_floating_point() or t.is_complex()) else t
                 for t, (_, _, r) in zip(bufs, self._meta_in[chan])]

@@ -13,6 +13,12 @@ between the two uses. On a stage whose inputs need no gradient (stage 0), `I` is
 micro-batch) and makes one autograd call per parameter group: a fixed Python cost that
 matters only for very small stages.
 
+A stage that holds a module allowing one backward (`allows_one_backward`: an activation
+checkpoint region of passes/recompute.py says so with `ONE_BACKWARD = True`; a selective
+checkpoint's cache is spent by the first backward through it, torch: "Trying to backward an
+extra time") does not split: `runtime.schedules.fuse_backward` turns its `I`s into full `B`s
+and drops its `W`s (runtime/pipeline.py).
+
 Public autograd graph APIs only (`get_gradient_edge`, `Node.register_prehook`,
 `autograd.backward` on `GradientEdge`s). Reads and writes no `node.meta` keys.
 """
@@ -25,7 +31,14 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["WeightGradState", "backward_input", "backward_weight"]
+__all__ = ["WeightGradState", "allows_one_backward", "backward_input", "backward_weight"]
+
+
+def allows_one_backward(module: nn.Module) -> bool:
+    """Whether `module` holds a submodule (itself included) whose class or instance sets
+    `ONE_BACKWARD = True`: its autograd graph may be walked by one backward only, so a stage
+    holding it runs its backward whole (input and weight gradients in one pass)."""
+    return any(getattr(m, "ONE_BACKWARD", False) is True for m in module.modules())
 
 
 def _node(t: torch.Tensor):

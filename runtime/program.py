@@ -20,6 +20,11 @@ state (`runtime.zero`). What else a plan uses composes inside it:
     engines' masters (runtime/pipeline_tied.py); `forward` runs the stages in order for
     inference (runtime/stage_transport.py), every pp rank returning the output; `engine` is a
     `runtime.stage_engines.PipelineEngines` over the stages' engines.
+  * a vocab-parallel loss (`Plan.loss_parallel`, runtime/vocab_loss.py): when the last stage's
+    logits leave it sharded over the vocabulary (`vocab_shard`), `step` / `evaluate` given
+    `autopar.cross_entropy` compute the loss on the shards, a mean over the tokens of the whole
+    global batch that are not ignored (`loss_on_outputs`); any other loss_fn, and `forward`,
+    get them gathered (`gather_vocab`).
   * fp16 loss scaling (`zero_optim.LossScaleGroup`): one scale per rank, applied by the last
     stage only, and the inf/NaN verdict agreed over every axis of size > 1 before any stage
     steps or skips, so a tp rank whose shard overflowed never skips alone.
@@ -53,6 +58,7 @@ import torch.nn as nn
 
 from . import collectives as C
 from . import stage_transport
+from . import vocab_loss
 from ._torch_compat import pytree
 from .collective_errors import issue, where
 from .context_layout import shard_sequence
@@ -114,6 +120,16 @@ class Program(nn.Module):
         self.pp_rank = mesh.coords(rank)[pp_axis] if self.pp > 1 else 0
         self.stage_to_rank = self._placement(stages)
         self.stages = nn.ModuleDict({str(s): stages[s] for s in sorted(stages)})
+        last = str(n_stages - 1)
+        # the logits a plan left vocab-sharded (Plan.loss_parallel): gathered unless the loss is
+        # autopar.cross_entropy, which then runs on the shard (runtime/vocab_loss.py)
+        self.vocab_shard = vocab_loss.sharded_output(self.stages[last]) if last in self.stages else None
+        if self.pp > 1 and dist.is_initialized():  # every pp rank receives the outputs in forward / evaluate
+            box, g = [self.vocab_shard], mesh.group(pp_axis)
+            dist.broadcast_object_list(box, src=dist.get_global_rank(g, self.stage_to_rank[-1]), group=g,
+                                       device=mesh.device)
+            self.vocab_shard = box[0]
+        self._raw_outputs = False  # step / evaluate: the stage's outputs as they leave it (not gathered)
         if sync_init and self.dp > 1 and dist.is_initialized():
             for m in self.stages.values():
                 broadcast_module(m, self.dp_axis)
@@ -263,6 +279,7 @@ class Program(nn.Module):
             raise ValueError(f"n_microbatches must be >= 1, got {m}")
         C.set_active_mesh(self.mesh)
         inputs, targets = self.local_batch(tuple(batch))
+        loss_fn = self.loss_on_outputs(loss_fn, batch[1], m)  # on the stage's outputs
         keyword = isinstance(inputs, Mapping)  # model(**inputs)
         if not keyword and not isinstance(inputs, (tuple, list)):
             inputs = (inputs,)
@@ -291,7 +308,11 @@ class Program(nn.Module):
         for i, (mb_in, mb_tgt) in enumerate(micro):
             last = i == len(micro) - 1
             with where(f"micro-batch {i + 1}/{len(micro)} forward"):
-                out = self(**mb_in) if keyword else self(*mb_in)
+                self._raw_outputs = True  # loss_fn (loss_on_outputs) takes the stage's outputs
+                try:
+                    out = self(**mb_in) if keyword else self(*mb_in)
+                finally:
+                    self._raw_outputs = False
                 loss = check_loss(loss_fn(out, mb_tgt))
             scaled = loss / len(micro)
             total = scaled.detach() if total is None else total + scaled.detach()
@@ -318,8 +339,7 @@ class Program(nn.Module):
     def _run_schedule(self, flat: list, targets, loss_fn: Callable, m: int) -> torch.Tensor:
         """Several stages: the pipeline schedule over `m` micro-batches; the mean loss on every pp rank."""
         ex = self._executor(m)
-        unflatten = self._unflatten
-        ex.loss_fn = lambda out, tgt: loss_fn(unflatten(out), tgt)
+        ex.loss_fn = loss_fn  # loss_on_outputs: on the last stage's flat outputs
         try:
             mbs = _split(tuple(flat), m, "the local batch's input") if 0 in ex.modules else None
             tgts = _split(targets, m, "the local batch's target") if self.n_stages - 1 in ex.modules else None
@@ -335,9 +355,48 @@ class Program(nn.Module):
         if self.pp == 1:
             flat = self._flat_inputs(args, kwargs)
             with self.rng.fork(self.training):  # dropout / batch norm follow pm.train() / pm.eval()
-                return self._unflatten(self.stages["0"](*flat))
+                out = self.stages["0"](*flat)
+            return out if self._raw_outputs else self._unflatten(self.gather_vocab(out))
         with torch.no_grad():
-            return self._unflatten(self._forward_stages(args, kwargs))
+            out = self._forward_stages(args, kwargs)
+            return out if self._raw_outputs else self._unflatten(self.gather_vocab(out))
+
+    def gather_vocab(self, out):
+        """The stage's flat outputs with vocab-sharded logits (`vocab_shard`) gathered over their
+        axis; under autograd the logits' shard gets this rank's chunk of the gradient."""
+        info = self.vocab_shard
+        if info is None:
+            return out
+        outs = [out] if isinstance(out, torch.Tensor) else list(out)
+        i = info["output"]
+        outs[i] = torch.ops.autopar.all_gather_chunk_grad(outs[i], info["axis"], info["dim"], info["size"])
+        return outs[0] if isinstance(out, torch.Tensor) else type(out)(outs) if isinstance(out, tuple) else outs
+
+    def loss_on_outputs(self, loss_fn: Callable, global_targets: Any, m: int) -> Callable:
+        """`f(stage outputs, targets)`: the loss of one micro-batch from the last stage's flat
+        outputs. `autopar.cross_entropy` (or a partial of it) on vocab-sharded logits: the
+        vocab-parallel loss on this rank's shard, scaled to one process's mean over the global
+        batch (`vocab_loss.global_scale`: `global_targets`, `m` micro-batches); any other loss:
+        `loss_fn` on the gathered, unflattened outputs (as without `Plan.loss_parallel`)."""
+        spec, info = vocab_loss.parallel_spec(loss_fn), self.vocab_shard
+        if info is None or spec is None:
+            return lambda out, tgt: loss_fn(self._unflatten(self.gather_vocab(out)), tgt)
+        if not isinstance(global_targets, torch.Tensor):
+            raise ValueError(f"autopar.cross_entropy takes targets as one tensor of class indices, got "
+                             f"{type(global_targets).__name__}")
+        vocab_loss.check_targets(global_targets, info["size"], spec.ignore_index)
+        scale = vocab_loss.global_scale(global_targets, spec.ignore_index, m * self.dp * self.ep)
+
+        def f(out, tgt):
+            flat = [out] if isinstance(out, torch.Tensor) else list(out)
+            z = vocab_loss.select_logits(self._unflatten(out), spec.output)
+            if z is not flat[info["output"]]:
+                raise ValueError(f"output={spec.output!r} does not name the model's logits (flat output "
+                                 f"{info['output']}, vocabulary-sharded over {info['axis']}); name the logits")
+            return vocab_loss.vocab_parallel_cross_entropy(z, tgt, info["axis"], info["size"], scale=scale,
+                                                           ignore_index=spec.ignore_index,
+                                                           label_smoothing=spec.label_smoothing)
+        return f
 
     def _forward_stages(self, args, kwargs) -> list:
         me, place = self.pp_rank, self.stage_to_rank
@@ -370,11 +429,20 @@ def evaluate(program: nn.Module, batch: Sequence[Any], loss_fn: Callable, *axes:
     (the axes that split the batch)."""
     _check_pair(batch, "evaluate")
     inputs, targets = program.local_batch(tuple(batch))
+    raw = isinstance(program, Program)  # its outputs as they leave the stage: loss_on_outputs takes them
+    if raw:
+        loss_fn = program.loss_on_outputs(loss_fn, batch[1], 1)
     with torch.no_grad():
-        if isinstance(inputs, Mapping):
-            out = program(**inputs)
-        else:
-            out = program(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+        if raw:
+            program._raw_outputs = True
+        try:
+            if isinstance(inputs, Mapping):
+                out = program(**inputs)
+            else:
+                out = program(*(inputs if isinstance(inputs, (tuple, list)) else (inputs,)))
+        finally:
+            if raw:
+                program._raw_outputs = False
         loss = loss_fn(out, targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"

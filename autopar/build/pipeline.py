@@ -153,8 +153,16 @@ def _estimated_rank_memory(gc, plan: Plan, hw: Any, schedule: str) -> None:
     its own actions (`cost.pipeline_memory.rank_peaks`, what the joint planner ranks by)."""
     import dataclasses  # noqa: PLC0415
 
+    from autopar.build.predict import estimated_pipeline  # noqa: PLC0415
     from autopar.cost import estimate  # noqa: PLC0415
 
+    done = estimated_pipeline(plan)  # build.predict estimated this very split already: no second estimate
+    if done is not None:
+        info = plan.extra["pipeline"]
+        info["rank_memory_search_bytes"] = info["rank_memory_bytes"]
+        info["rank_memory_bytes"] = [float(x) for x in done["peak_bytes_per_pp_rank"]]
+        info["rank_memory_source"] = "cost.estimate"
+        return
     try:
         est = estimate(gc, dataclasses.replace(plan, schedule=schedule), hw, batch_is_global=True)
     except Exception as e:  # noqa: BLE001 - the split stands; its memory stays the search's, and says so

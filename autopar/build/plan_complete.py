@@ -3,9 +3,9 @@
 `complete_plan(plan, global_gm, local_gm, mesh, ...)` fills what a plan leaves open once its mesh
 is fixed (a default plan, a pinned one, or the joint planner's), in this order:
 
-  * refusals a plan cannot run with: recompute under the zero-bubble schedules (a ValueError that
-    says what to do instead; recompute under expert parallelism runs: the expert pass places its
-    nodes in their block, and a checkpointed block keeps the dispatch's collectives);
+  * (no refusal of recompute: under the zero-bubble schedules a stage holding checkpoint regions
+    runs its backward whole, runtime/pipeline.py; under expert parallelism the expert pass places
+    its nodes in their block, and a checkpointed block keeps the dispatch's collectives);
   * context parallelism (a cp axis): the attention exchange, ring or Ulysses
     (`search.context.plan_context`, `plan.extra["context"]`);
   * experts (an ep axis): `search.expert.plan_experts` (`plan.extra["expert"]`), before the tp
@@ -46,11 +46,6 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
     """Fill `plan` in place for `mesh` (see the module docstring). `local_gm` is this rank's copy
     of the graph (the fusion search reads it when the batch was captured static)."""
     dp = plan.dp * mesh.size("ep")  # the batch is split over dp x ep
-    if mesh.size("pp") > 1 and plan.schedule in ("zb_h1", "zbv") and (
-            memory_budget is not None or any(v != "none" for v in plan.recompute.values())):
-        raise ValueError(f"activation recomputation with the {plan.schedule!r} schedule does not run yet: it computes "
-                         "input and weight gradients in two backward passes, and a checkpointed region allows one; "
-                         "use schedule '1f1b' or 'interleaved_1f1b' with memory_budget, or drop memory_budget")
     if mesh.size("cp") > 1 and "context" not in plan.extra:
         plan.extra["context"] = plan_context(global_gm, dict(mesh.sizes), context_method, hardware)
         plan.notes += plan.extra["context"]["notes"]

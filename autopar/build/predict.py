@@ -8,9 +8,14 @@ collectives: their time, as the sharding search priced it, is added to the step 
 the ops that wait for them) and to the communication. A planner's plan keeps its own figures
 and gets the estimate beside them (`plan.predicted["estimate"]`).
 
+A pipeline plan whose split is complete before the cut (a planner's plan, or one with every
+split point pinned) is estimated as the pipeline it is: the schedule's step with the stages'
+tensor-parallel conversions and ZeRO-3 gathers inside (not added on top), and the per-rank peaks
+(`peak_bytes_per_pp_rank`, with the split they are for); the stage search (build/pipeline.py)
+then takes those peaks instead of estimating the same split again: one estimate per build.
 `take_pipeline_prediction(plan)` then replaces the one-stage step time and memory by the
 pipeline's own (`plan.extra["pipeline"]`: the simulated schedule and the per-pp-rank peaks,
-build/pipeline.py), when the plan has one.
+build/pipeline.py) where the estimate could not cost the pipeline (a split chosen at the cut).
 
 A prediction failure never stops the build: it is written into plan.predicted["error"].
 Reads no node.meta.
@@ -24,7 +29,7 @@ import torch.fx as fx
 from autopar.passes.plan import Plan
 from autopar.search.shard_search import batch_is_static
 
-__all__ = ["predict", "take_pipeline_prediction"]
+__all__ = ["estimated_pipeline", "predict", "take_pipeline_prediction"]
 
 
 def predict(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, hardware: Any) -> None:
@@ -33,27 +38,48 @@ def predict(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, har
 
     planned = plan.predicted if plan.predicted.get("source") == "planner" else None
     try:
-        if batch_is_static(global_gm):
-            predicted = cost_estimate(local_gm, plan, hardware).summary()
+        static = batch_is_static(global_gm)
+        if static:
+            est = cost_estimate(local_gm, plan, hardware)
         else:
-            predicted = cost_estimate(global_gm, plan, hardware, batch_is_global=True).summary()
+            est = cost_estimate(global_gm, plan, hardware, batch_is_global=True)
+        predicted = est.summary()
+        per_rank = est.memory.get("peak_per_pp_rank")
+        if per_rank is not None and (static or plan.mesh.get("ep", 1) > 1 or not plan.schedule):
+            per_rank = None  # the stage search's figures stand there (build/pipeline.py)
+        if per_rank is not None:  # the pipeline's own figures (see the module docstring)
+            predicted.update(peak_bytes_per_pp_rank=[float(x) for x in per_rank],
+                             pipeline_split_points=list(plan.split_points), pipeline_schedule=plan.schedule)
         for axis, info in plan.extra.get("shard", {}).items():
             t = float(info["comm_s"]) * plan.n_microbatches  # the search prices one micro-batch
             predicted[f"{axis}_comm_s"] = t
             for k in ("step_s", "comm_s", "comm_exposed_s"):
-                if k in predicted:
+                if k in predicted and not (per_rank is not None and k == "step_s"):  # a pipeline's are inside
                     predicted[k] += t
     except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
         predicted = {"error": f"{type(e).__name__}: {e}"}
     plan.predicted = {**planned, "estimate": predicted} if planned is not None else predicted
 
 
+def estimated_pipeline(plan: Plan) -> dict | None:
+    """The estimate `predict` made of the pipeline as it is split now, if it could cost it."""
+    pred = plan.predicted.get("estimate") if plan.predicted.get("source") == "planner" else plan.predicted
+    if not isinstance(pred, dict) or pred.get("pipeline_split_points") != list(plan.split_points) \
+            or pred.get("pipeline_schedule") != plan.schedule:
+        return None
+    return pred if pred.get("peak_bytes_per_pp_rank") else None
+
+
 def take_pipeline_prediction(plan: Plan) -> None:
-    """The pipeline's step time and per-rank memory in place of `estimate`'s one-stage figures."""
+    """The pipeline's step time and per-rank memory in place of `estimate`'s one-stage figures
+    (kept where `predict` estimated the pipeline itself: `estimated_pipeline`)."""
     pipe = plan.extra.get("pipeline")
     if not pipe:
         return
     target = plan.predicted["estimate"] if plan.predicted.get("source") == "planner" else plan.predicted
+    if estimated_pipeline(plan) is not None:
+        target.update(pipeline_bubble=pipe["bubble"], peak_bytes_source="cost.estimate")
+        return
     target.update(step_s=pipe["step_s"], pipeline_bubble=pipe["bubble"],
                   peak_bytes_per_pp_rank=pipe["rank_memory_bytes"], peak_bytes=max(pipe["rank_memory_bytes"]),
                   peak_bytes_source=pipe.get("rank_memory_source", "stage search"))

@@ -79,9 +79,9 @@ def build_rank_program(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan
     pm = PassManager(list(RANK_PASSES), dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
-        from autopar.build.recompute_plan import plan_recompute  # noqa: PLC0415
+        from autopar.build.recompute_plan import plan_loss, plan_recompute  # noqa: PLC0415
 
-        _modes, rec = plan_recompute(local_gm, memory_budget, hardware)
+        _modes, rec = plan_recompute(local_gm, memory_budget, hardware, loss=plan_loss(global_gm, plan, hardware))
         plan.recompute, plan.extra["recompute_save"] = rec.modes, rec.save
         plan.notes.append(f"recompute for memory_budget={memory_budget!r}: "
                           + (", ".join(f"{k} {v}" for k, v in rec.modes.items() if v != "none") or "nothing")

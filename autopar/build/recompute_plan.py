@@ -23,6 +23,10 @@ The result is plan data: `Plan.recompute` (module path -> "none" | "full" | "sel
 for selective layers, `Plan.extra["recompute_save"]` (module path -> node keys to keep), which
 `passes.recompute` carries out.
 
+The loss around the outputs: `plan_loss(global_gm, plan, hardware)` is the one `model.step`
+runs for a plan (`cost.loss_memory.loss_model` of the global graph: `CROSS_ENTROPY` on gathered
+logits, `VOCAB_PARALLEL` on the shards under `Plan.loss_parallel`), to pass as `loss=`.
+
 It reads `node.meta` only through `cost.analyze` and `passes.recompute`. Guarantees: the
 predicted peak (an exact timeline walk of the returned plan) is at most the budget, or a
 ValueError says why no plan fits (strict) / the report says so (strict=False).
@@ -38,10 +42,19 @@ from typing import Any, Mapping
 import torch.fx as fx
 
 from autopar.cost.graph import analyze
+from autopar.cost.loss_memory import loss_model
 from autopar.cost.memory import CROSS_ENTROPY, LossModel
+from autopar.passes.plan import Plan
 from autopar.cost.timeline import Timeline, regions_for, timeline
 from autopar.search.recompute import (NO_ACTIVATION, NO_MODULE, ChainModel, Choices, build_chain, ladder,
                                       ladder_choices, model_cost, off_choices, regions_of, solve, solve_dp)
+
+
+def plan_loss(global_gm: fx.GraphModule, plan: Plan, hardware: Any = "cpu-gloo") -> LossModel:
+    """What the loss `model.step` runs on `plan`'s outputs adds to the walk (module docstring)."""
+    if not plan.loss_parallel:
+        return CROSS_ENTROPY
+    return loss_model(analyze(global_gm, hardware), plan)
 
 
 @dataclass

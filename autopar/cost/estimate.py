@@ -40,7 +40,9 @@ communication is what cannot hide behind the slowed compute, and `contention_s` 
 `comm_exposed_s`) the slowdown itself. Blocking collectives (tensor parallel) overlap nothing.
 
 Memory per rank: model states (`memory.model_states`), plus the activation peak from the
-liveness walk (`memory.liveness` with the `CROSS_ENTROPY` loss around the outputs), plus
+liveness walk (`memory.liveness` with the loss around the outputs: `CROSS_ENTROPY` on gathered
+logits, or under `Plan.loss_parallel` the vocab-parallel loss on the shards, whose two tp
+all-reduces are priced as blocking: `cost.loss_memory`), plus
 transient buffers: ZeRO 0/1 keep a flat copy of every
 gradient bucket until backward finishes (what `runtime.zero.GradReducer` does), ZeRO 2 every
 bucket's padded input and output (`ScatterReducer`), ZeRO 3 holds two units of gathered
@@ -66,8 +68,12 @@ Pipeline (pp > 1 with `plan.split_points`, every schedule, v stages per rank):
 (`pipeline_memory.rank_peaks`), and `peak` their maximum; the step is the simulated schedule's
 with per-stage seconds, the boundaries' sends on the pp link, each rank's gradient sync and
 optimizer step (`pipeline_time.estimate_pipeline_step`); the joint planner calls the same two
-functions (tests/unit/test_one_cost_model_pipeline.py). Not in a pipeline's step yet: ZeRO 3's
-exposed gathers, recompute, offload's CPU step (the device step is priced). Measured against whole training steps on a gloo world for every strategy
+functions (tests/unit/test_one_cost_model_pipeline.py). Inside the stages: the tensor-parallel
+conversions the plan's strategies make the shard pass insert (`tp_conversions`, per micro-batch;
+given the captured fx graph: not a GraphCost alone, nor a graph with tp collectives of its own)
+and ZeRO 3's gathers per micro-batch, its reduce-scatters once (`pipeline_time.stage_zero3`).
+Not in a pipeline's step yet: recompute,
+offload's CPU step (the device step is priced). Measured against whole training steps on a gloo world for every strategy
 (tests/dist/test_memory_truth.py, +-10%).
 
 Recompute (`Plan.recompute`, `Plan.extra["recompute_save"]`): the activation walk is
@@ -83,7 +89,11 @@ It reads nothing from `node.meta` beyond what `analyze` reads. Guarantees: deter
 output (no ids, no timestamps); `to_json()` round-trips through `json.loads`;
 `Estimate.collectives()` equals `runtime.collectives.COUNTER.snapshot()` of one training step
 of the runtime (gloo test tests/dist/test_cost_counter.py), the reported-loss all-reduce
-(`metric_all_reduce`) aside.
+(`metric_all_reduce`) aside. The graph's own collectives and expert parallelism's run once per
+micro-batch and are counted so (with pp: every stage's per micro-batch, the pipeline's ranks
+counted together); the router statistics' all-reduces of an MoE model without ep are priced
+from `plan.extra["router_stats"]` (`expert_comm.router_stat_events`;
+tests/dist/test_cost_counter_micro.py).
 """
 from __future__ import annotations
 
@@ -102,16 +112,19 @@ from .estimate_report import CommReport, Estimate, LayerReport
 from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
 from .comm import joined_data_axis
-from .memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, StateBytes, device_resident, liveness, model_states,
+from .memory import (HELD_OUTPUTS, OptimizerSpec, StateBytes, device_resident, liveness, model_states,
                      offload_step_seconds, padded_numel, rows_of, tp_local_shape, with_param_dtype)
 from .expert_comm import ep_events
+from .loss_memory import loss_collectives, loss_model
 from .expert_memory import ep_compute_divisor, ep_memory
-from .pipeline_memory import (StageMemory, pipeline_schedule, rank_peaks, stage_graph, stage_of_nodes,
-                              weight_grad_bytes)
+from .pipeline_memory import (StageMemory, forward_peak, pipeline_schedule, rank_peaks, received_grad_bytes,
+                              split_backward, stage_graph, stage_of_nodes)
 from .timeline import regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
 from .pipeline_time import estimate_pipeline_step
+from .schedule import fuse_backward
+from .tp_conversions import node_tp_seconds
 from .zero_comm import bucket_caps, bucket_overlap, grad_buckets, zero3_events, zero3_payloads, zero3_walk
 
 __all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
@@ -129,8 +142,13 @@ def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_memory, zero3_tran
     except ValueError as e:
         notes.append(f"per-rank pipeline memory not modelled: {e}")
         return None
-    if any(v != "none" for v in plan.recompute.values()):
+    rc = [m for m, v in plan.recompute.items() if v != "none"]
+    if rc:
         notes.append("recompute inside pipeline stages: per-rank memory costed without it")
+        # under ZB-H1 / ZBV a stage holding checkpoint regions runs its backward whole at its I and
+        # no W (runtime/pipeline.py): price and walk that schedule
+        sched = fuse_backward(sched, {stage_of[k] for k, n in enumerate(gc.nodes)
+                                      if any(not m or n.module == m or n.module.startswith(m + ".") for m in rc)})
     graphs = [stage_graph(gc, stage_of, s) for s in range(n_stages)]
     mems = [stage_memory(g) for g in graphs]
     return rank_peaks(sched, mems, zero3_transient), sched, graphs, mems
@@ -234,6 +252,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                 payload = ev(cm.nbytes)
             graph_comm.append((n.index, cm.op, cm.axis, payload, cm.backward))
     graph_comm += [(e.node, e.op, e.axis or ep_ev.axis, e.payload, e.backward) for e in ep_ev.events]
+    last = gc.nodes[-1].index if gc.nodes else 0  # the vocab-parallel loss's all-reduces (loss_memory)
+    graph_comm += [(last, op, axis, payload, False) for op, axis, payload in loss_collectives(gc, plan, ev)]
     comm_reports: dict[tuple[str, str, str], CommReport] = {}
 
     def add_comm(op, axis, phase, payload, t, exposed):
@@ -246,7 +266,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         r.exposed_s += exposed
 
     layer_comm: dict[str, float] = {}
-    graph_comm_total = 0.0
+    graph_comm_total = 0.0  # of one micro-batch: every micro-batch runs the graph's collectives (with pp, every
+    # stage runs its own per micro-batch: the reports then count the pipeline's ranks together)
     for idx, op, axis, payload, backward in graph_comm:
         al = links.get(axis)
         if al is None:
@@ -255,7 +276,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         t = al.time(op, payload, algorithm)
         (bwd_t if backward else fwd_t)[idx] += t  # blocking: on the critical path
         graph_comm_total += t
-        add_comm(op, axis, "backward" if backward else "forward", payload, t, t)
+        for _ in range(plan.n_microbatches):
+            add_comm(op, axis, "backward" if backward else "forward", payload, t, t)
         lay = gc.nodes[idx].layer
         layer_comm[lay] = layer_comm.get(lay, 0.0) + t
     fwd_compute, bwd_compute = sum(fwd_t), sum(bwd_t)
@@ -289,6 +311,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     fwd_exposed = bwd_exposed = step_exposed = 0.0  # what overlapped communication adds (slowdown included)
     contention_s = 0.0  # the part of it that is compute slowed by concurrent collectives
     transient = 0.0
+    z3_units = None
     if dp > 1 and trainable:
         al = links[dp_axis]
         if zero < 3:
@@ -322,6 +345,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             # the last reduce-scatters (earlier ones accumulate under no_sync: runtime.program)
             events = zero3_events(gc)
             gather, rs = zero3_payloads(rank_params, dp, padded, grad_item)
+            z3_units = (gather, rs)  # a pipeline walks them per stage (`pipeline_time.stage_zero3`)
             seg_f, seg_b, pre_f, pre_b = events.segments(fwd_t, bwd_t)
             w = zero3_walk(events, seg_f, seg_b, pre_f, pre_b, gather, rs,
                            lambda o, x: al.time(o, x, algorithm), al.contention)
@@ -337,8 +361,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                         lay = gc.nodes[events.starts[k]].layer
                         layer_comm[lay] = layer_comm.get(lay, 0.0) + d
             transient = 2 * dp * max(gather.values(), default=0.0)  # the gathered unit and the prefetched one
-    comm_total += graph_comm_total
-    comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total
+    comm_total += graph_comm_total * plan.n_microbatches
+    comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total * plan.n_microbatches
 
     # --- optimizer step (memory bound: read and write every state, read params and grads) ---
     # the update touches this rank's rows of the parameters from stage 1 on (states.params is
@@ -372,15 +396,16 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         if p.key is not None:
             row = states.per_param.get(p.name, {})
             pg_bytes[p.key] = row.get("grads", 0) - row.get("master_grads", 0)  # masters' come after backward
+    loss_mem = loss_model(gc, plan)  # CROSS_ENTROPY on gathered logits, or the vocab-parallel loss
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
-                    storage_divisor=mem_div, loss=CROSS_ENTROPY)
+                    storage_divisor=mem_div, loss=loss_mem)
     recompute_s = 0.0
     if any(v != "none" for v in plan.recompute.values()):  # the checkpointed regions' walk replaces the plain one
         try:
             regions = regions_for(gc, dict(plan.recompute), dict(plan.extra.get("recompute_save") or {}))
             live = timeline(gc, regions, values, hardware=hw, param_grad_bytes=pg_bytes,
                             grads_preallocated=n_micro > 1, storage_divisor=mem_div, keep_points=False,
-                            loss=CROSS_ENTROPY, compute_divisor=ep_compute_divisor(comp_div, epm.compute))
+                            loss=loss_mem, compute_divisor=ep_compute_divisor(comp_div, epm.compute))
             recompute_s = live.recompute_s * n_micro
             bwd_s += recompute_s
             step_s += recompute_s
@@ -396,8 +421,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             if p.requires_grad and p.key is not None:
                 row = st.per_param.get(p.name, {})
                 pg[p.key] = row.get("grads", 0) - row.get("master_grads", 0)
-        loss = CROSS_ENTROPY if g.outputs is gc.outputs or list(g.outputs) == list(gc.outputs) else HELD_OUTPUTS
-        first = liveness(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss)
+        loss = loss_mem if g.outputs is gc.outputs or list(g.outputs) == list(gc.outputs) else HELD_OUTPUTS
+        trace: list = []  # its forward part is the F's peak (`forward_peak`)
+        first = liveness(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss, trace=trace)
         later = liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=mem_div,
                          loss=loss).peak if n_micro > 1 else first.peak
         trainable_s = [p for p in g.params if p.requires_grad]
@@ -413,7 +439,10 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                            step_temp=0.0 if plan.offload else tmp,
                            opt_bytes=2 * (st.master + st.optimizer) + st.params / (dp if zero in (1, 2) else 1)
                            + st.grads if trainable_s else 0.0,
-                           pending=weight_grad_bytes(g, values, mem_div) if g.nodes[0].index > 0 else 0.0)
+                           split=split_backward(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss)
+                           if g.nodes[0].index > 0 else None,  # stage 0: its W is its whole backward
+                           out_grads=received_grad_bytes(g, values, mem_div) if loss is HELD_OUTPUTS else 0.0,
+                           fwd_peak=forward_peak(g, values, storage_divisor=mem_div, loss=loss, trace=trace))
 
     # offload: masters (at ZeRO-3 the shards themselves), their gradients and the states on the CPU
     dev, offloaded = device_resident({**states.to_dict(), "master_grads": states.master_grads}, plan.offload, zero)
@@ -437,7 +466,10 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                 gc, got[1], got[2], got[3], fwd_t, bwd_t, values, mem_div, links, dp_axis, zero, dp, n_micro,
                 bucket_caps(plan.bucket_mb), lambda p: (local[p.name] if zero < 2 else dp * padded[p.name])
                 * grad_item[p.name], lambda p: padded[p.name] * p.dtype.itemsize,
-                hw.device.memory_bandwidth * hw.eff("memory"))
+                hw.device.memory_bandwidth * hw.eff("memory"), zero3_units=z3_units, algorithm=algorithm,
+                tp_node=node_tp_seconds(gm, gc, plan, values, links, hw.kernel_overhead_s)
+                if isinstance(gm, fx.GraphModule) and not any(cm.axis == "tp" for n in gc.nodes for cm in n.cost.comm)
+                else None)
             notes.append(f"pipeline: {got[1].name} simulated with per-stage seconds {[f'{x:.3g}' for x in stage_s]}, "
                          f"bubble {bubble:.1%}")
     memory["headroom"] = memory["capacity"] - memory["peak"]

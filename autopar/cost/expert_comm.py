@@ -25,8 +25,14 @@ planner's one-stage tables, `search.plan_rank`, add the same events to the same 
 blocks (every expert on every token: all-gather / reduce-scatter) are not modelled here:
 `ep_events` says so in its notes.
 
-Reads no node.meta (a GraphCost and the plan entry). Guarantees: no events with P = 1 or no
-expert entry; deterministic order (blocks by module path, then parameters in graph order).
+Without expert parallelism (P = 1 or no expert entry) the only events are the router
+statistics' all-reduces that `plan.extra["router_stats"]` names (`build.plan_complete` writes it
+for an MoE model on dp or cp ranks): each averaged over those axes, forward, per micro-batch
+(`router_stat_events`; tests/dist/test_cost_counter_micro.py counts them against the runtime).
+
+Reads no node.meta (a GraphCost and the plan entry). Guarantees: with P = 1 or no expert entry,
+no events but those statistics'; deterministic order (blocks by module path, then parameters
+in graph order).
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from typing import Any, Callable, Mapping
 from .expert_memory import block_rows
 from .graph import GraphCost, ParamInfo
 
-__all__ = ["EPEvent", "EPEvents", "ep_events"]
+__all__ = ["EPEvent", "EPEvents", "ep_events", "router_stat_events"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ def ep_events(gc: GraphCost, params: list[ParamInfo], plan: Any, ev: Callable[[A
     ep = int((getattr(plan, "mesh", None) or {}).get(axis, 1)) if entry else 1
     out = EPEvents(axis)
     if ep <= 1 or not entry.get("blocks"):
+        out.events += router_stat_events(gc, plan, ev, by_key, out.notes)
         return out
     by_key = by_key if by_key is not None else {n.key: n for n in gc.nodes}
     cf = entry.get("capacity_factor")
@@ -107,3 +114,25 @@ def ep_events(gc: GraphCost, params: list[ParamInfo], plan: Any, ev: Callable[[A
         numel = (local_numel or {}).get(p.name, p.numel)
         out.events.append(EPEvent(p.first_use, "all_reduce", float(numel * p.dtype.itemsize), True))
     return out
+
+
+def router_stat_events(gc: GraphCost, plan: Any, ev: Callable[[Any], float], by_key: Mapping[Any, Any] | None,
+                       notes: list[str]) -> list[EPEvent]:
+    """Without expert parallelism: the router statistics `build.plan_complete.router_stats_without_ep`
+    names in `plan.extra["router_stats"]` ({"keys": [...], "axes": ["dp", "cp"]}), each all-reduced
+    (avg, forward) over every axis of size > 1 in turn, per micro-batch, as `passes/expert.py`
+    `_global_router_stats` inserts them. No entry (a plan the planner wrote: build adds it): none."""
+    stats = (getattr(plan, "extra", None) or {}).get("router_stats") or {}
+    mesh = getattr(plan, "mesh", None) or {}
+    axes = [a for a in stats.get("axes") or [] if int(mesh.get(a, 1)) > 1]
+    if not axes:
+        return []
+    by_key = by_key if by_key is not None else {n.key: n for n in gc.nodes}
+    events = []
+    for k in stats.get("keys") or []:
+        n = by_key.get(k)
+        if n is None or not n.outputs:
+            notes.append(f"router statistic {k}: not in the graph; its all-reduce not costed")
+            continue
+        events += [EPEvent(n.index, "all_reduce", float(ev(n.outputs[0].nbytes)), False, a) for a in axes]
+    return events

@@ -57,6 +57,7 @@ inputs + outputs + saved bytes.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -389,8 +390,10 @@ HELD_OUTPUTS = LossModel(outputs_held=True)
 
 
 def loss_output_bytes(gc: GraphCost, ev) -> float:
-    """Bytes of the graph's outputs that get a gradient (what the loss reads)."""
-    return float(sum(ev(t.nbytes) for t in gc.outputs if t.rg and not t.is_state))
+    """Bytes of the graph's outputs that get a gradient (what the loss reads), on this rank:
+    divided by their storage divisor when `ev` takes one (`ev(x, key)`, as the walks' do)."""
+    keyed = len(inspect.signature(ev).parameters) > 1
+    return float(sum(ev(t.nbytes, t.key) if keyed else ev(t.nbytes) for t in gc.outputs if t.rg and not t.is_state))
 
 
 @dataclass

@@ -21,7 +21,9 @@ graph shapes are already per dp rank). A buffer the op makes for backward per el
 (`cost.saved.New` tags in `PER_OUTPUT_ELEMENT`: dropout mask, norm statistics, logsumexp ...)
 is divided like the output: under sequence parallelism a dropout mask is sbh/t bytes per
 layer, not sbh (Korthikanti et al. 2022, section 4.2.2, the 34 sbh/t of selective recompute);
-other buffers (a copy of an input, an attention bias) stay whole.
+other buffers (a copy of an input, an attention bias) stay whole. The graph's outputs are whole
+too (the runtime gathers them for the loss), except the vocab-sharded logits of a
+`Plan.loss_parallel` plan (`cost.loss_memory.gathered_outputs`).
 
 Reads no node.meta (only `cost.analyze`'s NodeCosts). Deterministic; `NodeTimer` memoises per
 (cost, divisor), so one timer serves one set of symbol values.
@@ -153,5 +155,7 @@ def layout_divisors(gc: GraphCost, plan: Plan | None) -> tuple[dict[int, int], d
             for k, _nb, tag in n.saved:
                 if tag in PER_OUTPUT_ELEMENT and isinstance(k, tuple) and k[:1] == ("new",):
                     mem[k] = md
-    return comp, mem
+    from .loss_memory import gathered_outputs  # noqa: PLC0415
+
+    return comp, gathered_outputs(gc, plan, mem)  # outputs the runtime gathers for the loss are whole
 

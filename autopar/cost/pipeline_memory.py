@@ -16,10 +16,15 @@ schedule (`cost.schedule.walk_peaks`): at each action of stage s, the micro-batc
 its other stages hold (each its stage's forward end: inputs, saved activations, outputs; F
 adds one, B releases it, W under the zero-bubble schedules) plus the running micro-batch's
 walk of stage s (`memory.liveness`, the loss on the last stage; earlier stages hold their
-outputs until their backward, as the pipeline runtime does; ZB-H1 and ZBV: from its I until its
-W also the gradients captured for the weights, `weight_grad_bytes`), with stage s's gradients made
+outputs until their backward, as the pipeline runtime does), with stage s's gradients made
 as backward makes them until its first backward ran and preallocated after, and the
-gradients of the rank's other stages whose first backward ran. Model states are the sum of
+gradients of the rank's other stages whose first backward ran. ZB-H1 and ZBV split a stage's
+backward (`StageMemory.split`, `cost.split_backward_memory.split_backward`): its I frees nothing
+and keeps the gradients captured for the weights until its W, which releases the micro-batch.
+An F peaks at the micro-batch's forward walk (`StageMemory.fwd_peak`), not its whole walk.
+Every point also holds the receive buffer of the rank's next action (`StageMemory.inputs` for an
+F, `out_grads` for a B or I), posted before the current action computes. The rank holding stage 0
+holds the whole local batch all step (the micro-batches are views of it). Model states are the sum of
 the rank's stages' (a parameter read on two stages is held by both, as split_pipeline copies
 it). The other two points are estimate's: the end of backward (states, gradients, the flat
 gradient buffers, the inputs) and the optimizer step (its temporaries).
@@ -35,7 +40,7 @@ from typing import Sequence
 
 from .graph import GraphCost, Storage
 from .schedule import Schedule, small_schedule, walk_peaks
-from .symbolic import evaluate
+from .split_backward_memory import SplitBackward, forward_peak, received_grad_bytes, split_backward
 
 
 def _inside(module: str, unit: str) -> bool:
@@ -147,25 +152,9 @@ class StageMemory:
     transient: float
     step_temp: float
     opt_bytes: float = 0.0  # what its optimizer step reads and writes (`cost.pipeline_time`)
-    pending: float = 0.0  # zero-bubble schedules: held from a micro-batch's I until its W
-
-
-def weight_grad_bytes(g: GraphCost, values, storage_divisor) -> float:
-    """What a micro-batch of stage graph `g` holds between its I and its W under a zero-bubble
-    schedule (`runtime.pipeline_split`): the gradient captured at every node that reads a
-    trainable parameter (its output's bytes, tp-local), and the gradient received for the
-    stage's outputs. Stage 0, whose inputs need no gradient, does its whole backward in W: the
-    caller passes 0 for it."""
-    div = storage_divisor or {}
-    trainable = {p.key for p in g.params if p.requires_grad and not p.is_buffer and p.key is not None}
-    seen: set = set()
-    total = 0.0
-    outs = [t for n in g.nodes if any(k in trainable for k in n.uses) for t in n.outputs] + list(g.outputs)
-    for t in outs:
-        if t.key in g.storages and t.key not in seen and not g.storages[t.key].is_state:
-            seen.add(t.key)
-            total += float(evaluate(g.storages[t.key].nbytes, values)) / div.get(t.key, 1)
-    return total
+    split: SplitBackward | None = None  # ZB-H1 / ZBV: its I and W (None: stage 0, whose W is a full backward)
+    out_grads: float = 0.0  # the gradients it receives for its outputs (0 on the last stage)
+    fwd_peak: float | None = None  # the most a micro-batch holds during its forward (None: `first`)
 
 
 def pipeline_schedule(schedule: str | None, pp: int, m: int, n_stages: int) -> Schedule:
@@ -181,19 +170,29 @@ def pipeline_schedule(schedule: str | None, pp: int, m: int, n_stages: int) -> S
 
 def rank_peaks(schedule: Schedule, stages: Sequence[StageMemory], zero3_transient: float = 0.0) -> list[float]:
     """Peak bytes per pipeline rank (see the module docstring): the most of the schedule walk
-    (+ ZeRO 3's two gathered units), the end of backward and the optimizer step."""
-    acts = walk_peaks(schedule, [x.held for x in stages], [x.first for x in stages], [x.later for x in stages],
-                      [x.walk_grads for x in stages], [x.pending for x in stages] if schedule.splits_backward else None)
+    (+ ZeRO 3's two gathered units), the end of backward and the optimizer step. The rank that
+    holds stage 0 holds the whole local batch all step (`split_microbatches` slices it; every
+    micro-batch is a view of it), not one micro-batch's inputs per micro-batch in flight."""
+    batch = stages[0].inputs  # one micro-batch of stage 0's inputs
+    less = [batch] + [0.0] * (len(stages) - 1)
+    fwd = None if any(x.fwd_peak is None for x in stages) else [x.fwd_peak - d for x, d in zip(stages, less)]
+    acts = walk_peaks(schedule, [x.held - d for x, d in zip(stages, less)], [x.first - d for x, d in zip(stages, less)],
+                      [x.later - d for x, d in zip(stages, less)], [x.walk_grads for x in stages],
+                      [x.split for x in stages] if schedule.splits_backward else None,
+                      [(x.inputs, x.out_grads) for x in stages], fwd)
+    whole = schedule.n_microbatches * batch
     out = []
     for r, act in enumerate(acts):
-        mine = [stages[s] for s in schedule.stages_of(r)]
-        pers = sum(x.persistent for x in mine)
+        ss = schedule.stages_of(r)
+        mine = [stages[s] for s in ss]
+        pers = sum(x.persistent for x in mine) + (whole if 0 in ss else 0.0)
         grads = sum(x.grads for x in mine)
         trans = zero3_transient if zero3_transient else sum(x.transient for x in mine)
-        out.append(max(pers + act + zero3_transient, pers + grads + trans + max(x.inputs for x in mine),
+        inputs = max(x.inputs for s, x in zip(ss, mine) if s != 0) if ss != [0] else 0.0
+        out.append(max(pers + act + zero3_transient, pers + grads + trans + inputs,
                        pers + grads + sum(x.step_temp for x in mine)))
     return out
 
 
-__all__ = ["StageMemory", "held_states", "in_flight", "pipeline_schedule", "rank_peaks", "stage_graph", "stage_of_nodes",
-           "weight_grad_bytes"]
+__all__ = ["SplitBackward", "StageMemory", "forward_peak", "held_states", "in_flight", "pipeline_schedule",
+           "rank_peaks", "received_grad_bytes", "split_backward", "stage_graph", "stage_of_nodes"]

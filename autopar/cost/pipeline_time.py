@@ -16,10 +16,22 @@ every stage boundary:
                         (ZeRO 0/1 all-reduce, 2 reduce-scatter, in buckets of the runtime's caps,
                         each once its gradients are ready, beside the backward slowed by the
                         link's contention; ZeRO 1/2's parameter all-gather after the step;
-                        ZeRO 3: counted, its exposure is in the stage times), over "pieces" in
+                        ZeRO 3: counted, its exposure is `stage_zero3`'s), over "pieces" in
                         forward order (the planner's pipeline units, estimate's nodes) with
                         their backward seconds, gradient and gather payloads;
-  buckets               payloads in forward order, reversed, in buckets of the runtime's caps.
+  buckets               payloads in forward order, reversed, in buckets of the runtime's caps;
+  stage_zero3           ZeRO 3 inside one stage, as its engine runs it (`runtime.zero_stage3` under
+                        `runtime.pipeline`): every micro-batch's forward gathers the stage's units
+                        (prefetched one ahead), its backward re-gathers the saved ones, and only
+                        the stage's last backward of the step reduce-scatters (the others run under
+                        no_sync); `cost.zero_comm.zero3_walk` over the stage graph's own units.
+                        Per micro-batch the walk's forward and no_sync backward exposure lengthen
+                        the stage's F and B; the last backward's extra (its reduce-scatters, which
+                        `finish_backward` waits for after the schedule) is added after the rank's
+                        last action for its last-finishing stage;
+  add_stage_terms       those per-stage additions, and the tensor-parallel conversions a stage runs
+                        per micro-batch (`cost.tp_conversions`, half to F and half to B, as the
+                        planner's tables split them), on F and B before the stretch.
 
 The step is then the slowest rank's: its last action's end + its exposed sync + the gather
 after the step + its optimizer step.
@@ -30,13 +42,61 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import dataclasses
+
+from .graph import GraphCost
 from .overlap import CommStream, contention_of, slowdown
 from .pipeline_memory import held_states
 from .schedule import Schedule, simulate
 from .symbolic import evaluate
+from .zero_comm import zero3_events, zero3_walk
 
-__all__ = ["buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step", "rank_pieces", "simulate_ranks",
-           "stretch_stage_times"]
+__all__ = ["AlgorithmLink", "add_stage_terms", "buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step",
+           "rank_pieces", "simulate_ranks", "stage_zero3", "stretch_stage_times", "zero3_tail"]
+
+
+def stage_zero3(g: GraphCost, fwd_t, bwd_t, gather, rs, time_of, k: float) -> tuple[float, float, float]:
+    """(forward, no_sync backward, the last backward's extra) seconds ZeRO 3 adds to one
+    micro-batch of pipeline stage graph `g` (`pipeline_memory.stage_graph`; see the module
+    docstring). `fwd_t`, `bwd_t`: per node of the whole graph (global indices), without ZeRO;
+    `gather`, `rs`: per ZeRO-3 unit its payloads (`zero_comm.zero3_payloads`); `time_of(op,
+    payload)`: seconds on the data axis; `k`: its contention. Each parameter counts as read at
+    the stage's first node that reads it (itself or through input-free computation)."""
+    lo = g.nodes[0].index
+    held = held_states(g)
+    params = []
+    for p in g.params:
+        at = next((i for i, h in enumerate(held) if p.key is not None and p.key in h), None)
+        if at is None:
+            at = p.first_use - lo if lo <= p.first_use < lo + len(g.nodes) else len(g.nodes)
+        params.append(dataclasses.replace(p, first_use=at))
+    local = dataclasses.replace(g, nodes=[dataclasses.replace(n, index=i) for i, n in enumerate(g.nodes)],
+                                params=params)
+    ev = zero3_events(local)
+    if not ev.starts:
+        return 0.0, 0.0, 0.0
+    seg_f, seg_b, pre_f, pre_b = ev.segments([fwd_t[n.index] for n in g.nodes], [bwd_t[n.index] for n in g.nodes])
+    w = zero3_walk(ev, seg_f, seg_b, pre_f, pre_b, gather, rs, time_of, k)
+    return w.fwd, w.bwd_accum, w.bwd - w.bwd_accum
+
+
+def add_stage_terms(F_s: list[float], B_s: list[float], tp_s: Sequence[float] | None,
+                    z3: Sequence[tuple[float, float, float]] | None) -> None:
+    """Add (in place) each stage's tensor-parallel conversions per micro-batch (`tp_s`, half to
+    F, half to B) and ZeRO 3's per micro-batch exposure (`z3[s]` from `stage_zero3`)."""
+    for s in range(len(F_s)):
+        if tp_s is not None:
+            F_s[s] += tp_s[s] / 2
+            B_s[s] += tp_s[s] / 2
+        if z3 is not None:
+            F_s[s] += z3[s][0]
+            B_s[s] += z3[s][1]
+
+
+def zero3_tail(mine: Sequence[int], z3: Sequence[tuple[float, float, float]] | None) -> float:
+    """The last backward's extra ZeRO-3 seconds of a rank's last-finishing stage (its lowest):
+    its reduce-scatters' exposure, waited for after the schedule."""
+    return z3[min(mine)][2] if z3 is not None and mine else 0.0
 
 
 def stretch_stage_times(F_s: list[float], B_s: list[float], hops: Sequence[float], k: float) -> None:
@@ -176,22 +236,51 @@ def pipeline_step(sched: Schedule, F_s: list[float], B_s: list[float], p2p: Sequ
     return max(e + rank_tail(r, e) for r, e in enumerate(ends_r)), ends_r, busy, bubble
 
 
+class AlgorithmLink:
+    """An axis link whose collectives take one algorithm ("auto": the faster of ring and tree, as
+    `cost.estimate` prices data parallelism and the planner's `MemoLink` does)."""
+
+    def __init__(self, al, algorithm: str):
+        self.al, self.algorithm = al, algorithm
+        self.axis, self.size, self.contention = al.axis, al.size, getattr(al, "contention", 0.0)
+
+    def time(self, op: str, nbytes: float) -> float:
+        return self.al.time(op, nbytes, self.algorithm)
+
+    def bytes_sent(self, op: str, nbytes: float) -> float:
+        return self.al.bytes_sent(op, nbytes, self.algorithm)
+
+
 def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, values, mem_div, links: dict,
                            dp_axis: str | None, zero: int, dp: int, n_micro: int, caps: tuple[float, float],
-                           payload_of, gather_of, mem_speed: float) -> tuple[float, list[float], float, float]:
+                           payload_of, gather_of, mem_speed: float, tp_node: dict[int, float] | None = None,
+                           zero3_units: tuple | None = None, algorithm: str = "auto"
+                           ) -> tuple[float, list[float], float, float]:
     """`cost.estimate`'s step of a pipeline: (step, per-stage F + B, bubble, the slowest rank's
     optimizer step). Stage s runs its nodes' forward and backward seconds (`fwd_t`, `bwd_t`,
     tensor-parallel collectives in the graph included); its boundary sends what later stages
     read of it (the stage graph's outputs, tp-local bytes) over the pp link; each rank syncs
     its stages' gradients per node (`rank_pieces`, `dp_sync`) and steps its optimizer on its
-    stages' states (`mems[s].opt_bytes` at `mem_speed` bytes/s)."""
+    stages' states (`mems[s].opt_bytes` at `mem_speed` bytes/s). `tp_node`: per node the
+    tensor-parallel conversions it consumes per micro-batch (`cost.tp_conversions.node_tp_seconds`);
+    `zero3_units`: (gather, reduce-scatter payloads per unit) under ZeRO 3 with dp > 1, walked
+    per stage (`stage_zero3`); `algorithm`: the data-parallel collectives' (estimate's)."""
     F_s = [float(sum(fwd_t[n.index] for n in g.nodes)) for g in graphs]
     B_s = [float(sum(bwd_t[n.index] for n in g.nodes)) for g in graphs]
     pp_link, dp_link = links.get("pp"), links.get(dp_axis) if dp_axis and dp > 1 else None
+    if dp_link is not None:
+        dp_link = AlgorithmLink(dp_link, algorithm)
+    z3 = None
+    if zero == 3 and dp_link is not None and zero3_units is not None:
+        z3 = [stage_zero3(g, fwd_t, bwd_t, zero3_units[0], zero3_units[1], dp_link.time, contention_of(dp_link))
+              for g in graphs]
+    tp_s = [sum(tp_node.get(n.index, 0.0) for n in g.nodes) for g in graphs] if tp_node else None
+    add_stage_terms(F_s, B_s, tp_s, z3)
     sent = [float(sum(evaluate(gc.storages[t.key].nbytes, values) / mem_div.get(t.key, 1) for t in g.outputs))
             for g in graphs[:-1]]
     p2p = [pp_link.time("send_recv", b) if pp_link is not None and b > 0 else 0.0 for b in sent]
-    B_u = [float(bwd_t[n.index]) for g in graphs for n in g.nodes]
+    tp_b = tp_node or {}  # a conversion's backward half with its consumer's (as the planner's units)
+    B_u = [float(bwd_t[n.index]) + tp_b.get(n.index, 0.0) / 2 for g in graphs for n in g.nodes]
     starts, at = [], 0
     for g in graphs:
         starts.append(at)
@@ -203,7 +292,7 @@ def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, valu
     def tail(r: int, end: float) -> float:
         exposed, after, _t, _b = dp_sync(sched.stages_of(r), starts, ends, B_s, B_u, end, pay, gat, dp_link, zero, dp,
                                          n_micro, caps)
-        return exposed + after + opt_r[r]
+        return exposed + after + zero3_tail(sched.stages_of(r), z3) + opt_r[r]
 
     step, _ends, _busy, bubble = pipeline_step(sched, F_s, B_s, p2p, contention_of(pp_link), tail, "estimate")
     return step, [f + b for f, b in zip(F_s, B_s)], bubble, max(opt_r)

@@ -11,12 +11,17 @@ schedule implies, walked along each rank's actions:
                                   at once (F adds one, its B or W releases it)
   walk_peaks(schedule, held, ...) per rank the most bytes along its actions: the micro-batches
                                   held (F adds one, its B or W releases it) plus the running
-                                  micro-batch's own walk peak and the gradients made so far
-                                  (the one walk both `cost.estimate` and the planner use)
+                                  micro-batch's own walk peak and the gradients made so far;
+                                  under ZB-H1 / ZBV the split backward's I and W as they run
+                                  (`cost.split_backward_memory`) (the one walk both
+                                  `cost.estimate` and the planner use)
   held_peaks(schedule, act)       per rank the most activation bytes held at once, given each
                                   stage's bytes per micro-batch (`walk_peaks` with no walk)
   small_schedule(name, p, m, v)   `make_schedule`, memoised (the planner asks for the same few
                                   small schedules thousands of times)
+  fuse_backward(schedule, stages) what ZB-H1 / ZBV run when `stages` hold checkpoint regions
+                                  (one backward each): their I a full B, no W (runtime/pipeline.py);
+                                  price and walk that schedule, not the split one
 
 Reads and writes no node.meta. Deterministic; a schedule returned by `small_schedule` is
 shared: do not mutate it.
@@ -26,10 +31,10 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from autopar.runtime.schedules import SCHEDULES, Kind, Schedule, make_schedule, simulate
+from autopar.runtime.schedules import SCHEDULES, Kind, Schedule, fuse_backward, make_schedule, simulate
 
-__all__ = ["Kind", "Schedule", "SCHEDULES", "make_schedule", "simulate", "in_flight_per_stage", "held_peaks",
-           "small_schedule", "walk_peaks"]
+__all__ = ["Kind", "Schedule", "SCHEDULES", "fuse_backward", "make_schedule", "simulate", "in_flight_per_stage",
+           "held_peaks", "small_schedule", "walk_peaks"]
 
 
 def in_flight_per_stage(schedule: Schedule) -> list[int]:
@@ -49,56 +54,83 @@ def in_flight_per_stage(schedule: Schedule) -> list[int]:
 
 def walk_peaks(schedule: Schedule, held: Sequence[float], first: Sequence[float] | None = None,
                later: Sequence[float] | None = None, grads: Sequence[float] | None = None,
-               pending: Sequence[float] | None = None) -> list[float]:
+               split: Sequence | None = None, recv: Sequence[tuple[float, float]] | None = None,
+               fwd: Sequence[float] | None = None) -> list[float]:
     """Per rank, the most bytes along its actions (each schedule's own timeline).
 
     A micro-batch of stage s holds `held[s]` bytes from its F until its B (zero-bubble
-    schedules: its W, the weight gradients read the saved inputs). At every action of stage s
-    the rank holds the other micro-batches in flight, plus the running micro-batch's walk peak:
-    `first[s]` until stage s's first backward (I or B) has run, then `later[s]` (its gradients
-    exist from then on: a walk with them preallocated), plus `grads[t]` of every other stage t
-    of the rank whose first backward has run. Under the zero-bubble schedules a micro-batch
-    also holds `pending[s]` from its I until its W (the gradients captured for the weights,
-    `runtime.pipeline_split`). Without `first` / `later` / `grads` the peak of a micro-batch is
-    what it holds (`held`): the most bytes held at once (`held_peaks`).
+    schedules: its W). F and B: the rank holds the other micro-batches in flight plus the
+    running micro-batch's walk peak: `first[s]` until stage s's first backward has run, then
+    `later[s]` (its gradients exist from then on: a walk with them preallocated), plus
+    `grads[t]` of every other stage t of the rank whose gradients exist.
 
-    With one stage per rank this is `(k - 1) x held + first` at the first backward, k the
-    micro-batches in flight (`in_flight_per_stage`), and `(k' - 1) x held + later` after it.
+    Zero-bubble schedules (`split[s]`: the `cost.split_backward_memory.SplitBackward` of a
+    stage whose backward is split, with `i_rise`, `pending`, `w_rise`; None for a stage that
+    runs its whole backward in W, stage 0): I frees nothing, so it peaks at everything held plus `i_rise[s]`, and leaves
+    `pending[s]` (the captured gradients) until the micro-batch's W, which peaks at everything
+    held plus `w_rise[s]` and makes the stage's gradients (its first W); the micro-batch is
+    released after its W. A stage with `split[s]` None: I is empty, W is a full backward (B).
+
+    `fwd[s]`: the most a micro-batch holds during its F (its forward walk); without it an F is
+    charged the micro-batch's whole walk (`first` / `later`).
+
+    `recv[s]` = (bytes of stage s's inputs, bytes of its outputs' gradients) as received from
+    another rank: the runtime posts the receive of the next action's message before the
+    current action computes (`runtime.pipeline`), so every point also holds that buffer.
+
+    Without `first` / `later` / `grads` the peak of a micro-batch is what it holds (`held`):
+    the most bytes held at once (`held_peaks`). With one stage per rank and no split this is
+    `(k - 1) x held + first` at the first backward, k the micro-batches in flight
+    (`in_flight_per_stage`), and `(k' - 1) x held + later` after it.
     """
     first = held if first is None else first
     later = first if later is None else later
     out = []
     for acts in schedule.actions:
-        h = best = g_other = 0.0
+        h = best = g_made = 0.0  # g_made: the gradients of the rank's stages that exist
         made: set[int] = set()
-        for a in acts:
+        for k, a in enumerate(acts):
             s, kind = a.stage, a.kind
             own = held[s]
+            sp = split[s] if split is not None else None
+            walk = later[s] if s in made else first[s]
+            g_other = g_made - (grads[s] if grads is not None and s in made else 0.0)
             if kind is Kind.F:
-                walk = later[s] if s in made else first[s]
-                point = h + walk
+                point = h + fwd[s] + g_made if fwd is not None else h + walk + g_other
                 h += own
-            else:  # the running micro-batch's bytes are in h already: its walk replaces them
-                walk = later[s] if s in made else first[s]
-                point = h - own + walk
-                if pending is not None:
-                    if kind is Kind.I:
-                        h += pending[s]
-                    elif kind is Kind.W:
-                        point -= pending[s]
-                        h -= pending[s]
-                if s not in made and (kind is Kind.B or kind is Kind.I):
+            elif sp is not None and kind is Kind.I:
+                point = h + sp.i_rise + g_made
+                h += sp.pending
+            elif sp is not None and kind is Kind.W:
+                if s not in made:
                     made.add(s)
-                    if grads is not None:
-                        g_other += grads[s]
-                if kind is Kind.B or kind is Kind.W:
-                    h -= own
-            if grads is not None and g_other:
-                point += g_other - (grads[s] if s in made else 0.0)
+                    g_made += grads[s] if grads is not None else 0.0
+                point = h + sp.w_rise + g_made
+                h -= sp.pending + own
+            elif kind is Kind.I:  # a stage whose inputs need no gradient: W is its whole backward
+                point = h + g_made
+            else:  # B, or the W of such a stage: its walk replaces the running micro-batch's bytes
+                point = h - own + walk + g_other
+                if s not in made:
+                    made.add(s)
+                    g_made += grads[s] if grads is not None else 0.0
+                h -= own
+            if recv is not None and k + 1 < len(acts):
+                point += _ahead(schedule, acts[k + 1], recv)
             if point > best:
                 best = point
         out.append(best)
     return out
+
+
+def _ahead(schedule: Schedule, nxt, recv: Sequence[tuple[float, float]]) -> float:
+    """Bytes of the receive buffer that action `nxt` consumes, when it comes from another rank."""
+    s, r = nxt.stage, schedule.stage_to_rank[nxt.stage]
+    if nxt.kind is Kind.F and s > 0 and schedule.stage_to_rank[s - 1] != r:
+        return recv[s][0]
+    if nxt.kind in (Kind.B, Kind.I) and s + 1 < schedule.n_stages and schedule.stage_to_rank[s + 1] != r:
+        return recv[s][1]
+    return 0.0
 
 
 def held_peaks(schedule: Schedule, act_s: Sequence[float]) -> list[float]:

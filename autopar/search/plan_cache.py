@@ -23,8 +23,10 @@ from autopar.search.candidate import plain
 
 __all__ = ["PLANNER_VERSION", "cache_key", "disk_get", "disk_put", "graph_fingerprint"]
 
-PLANNER_VERSION = 4  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory;
-# 4: ep priced as estimate, pipeline memory from the schedule walk, pp x cp and ep x cp planned
+PLANNER_VERSION = 5  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory;
+# 4: ep priced as estimate, pipeline memory from the schedule walk, pp x cp and ep x cp planned;
+# 5: recompute planned under zb_h1 / zbv (stages holding regions priced as one backward), tp > 1 with a
+# symbolic MoE capacity, collectives per micro-batch
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

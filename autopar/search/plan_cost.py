@@ -58,7 +58,7 @@ For a candidate:
            optimizer state element), whichever is larger. That chooses the split; the chosen
            split's per-rank peaks (pp > 1, no recompute, no ep) are then `cost.estimate`'s walk
            along each rank's actions (`search.plan_pipeline_memory`), and its step
-           `cost.pipeline_time`'s, as estimate's (tests/unit/test_one_cost_model_pipeline.py).
+           `cost.pipeline_time`'s, ZeRO 3 per stage and tp in stages as estimate's (test_one_cost_model_pipeline).
 
 Bounds (`lower_bounds`, `optimistic_bounds` without the ILP, and a split's bound before its
 schedule is simulated) never exceed these predictions; the planner prunes with them.
@@ -68,8 +68,8 @@ same on every tp/dp rank; stage-boundary transfers send the whole activation (a 
 parallel boundary would send 1/t of it); the working set is the whole graph's, on every
 stage; data parallel comm of virtual stages other than the rank's last is taken as ready when
 the rank's last backward starts; with pp > 1 every gradient is taken as allocated while
-activations peak (one micro-batch: conservative by up to the gradients) and ZeRO 3 regathers
-and reduce-scatters every unit every micro-batch, and recomputed blocks keep their input only
+activations peak (one micro-batch: conservative by up to the gradients), the split DP takes ZeRO 3
+per unit (the chosen split walks it per stage), and recomputed blocks keep their input only
 (collective outputs inside a block, which the recompute pass keeps, are not counted; the
 choice of blocks uses this at pp = 1 too); expert-parallel pipelines (pp > 1, which the runtime
 does not run yet) take `search.expert.ep_cost`, not estimate's expert accounting.
@@ -88,13 +88,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from autopar.cost.overlap import contention_of
-from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times
-from autopar.cost.schedule import held_peaks, small_schedule
+from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times, zero3_tail
+from autopar.cost.schedule import fuse_backward, held_peaks, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
 from autopar.search.expert import ep_cost
 from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
-from autopar.search.plan_context import data_axis_name
+from autopar.search.plan_comm_report import comm_report
 from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks
+from autopar.search.plan_pipeline_time import zero3_stage_times
 from autopar.search.plan_split import INF, SplitChain, chain_factor, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
 from autopar.search.shard_tables import ShardInfo
@@ -159,7 +160,7 @@ class PlanCostModel(PlanTables):
         act = u.act / div
         if recompute:
             cross_in = np.concatenate([[0.0], u.cross])
-            act = np.where(self.blocks > 0, np.minimum(act, cross_in), act)
+            act = np.where(self.blocks > 0, np.minimum(act, cross_in / div), act)  # a block's input: at best /tp (sp)
         return float(act.sum())
 
     def lower_bounds(self, c: Candidate, recompute: bool = True) -> tuple[float, float]:
@@ -234,7 +235,7 @@ class PlanCostModel(PlanTables):
                 rs = al.time("reduce_scatter", gp) if gp > 0 else 0.0
                 fwd_min, bwd_min, last_b = max(F, g), max(B, g + rs), max(B, rs)
         work = m * (fwd_min + bwd_min)
-        if p == 1 and z == 3 and st is not None and c.replicas > 1:  # one stage: reduce-scatters once a step
+        if z == 3 and st is not None and c.replicas > 1:  # reduce-scatters once a step (pipelines: per stage)
             work = m * fwd_min + (m - 1) * B + last_b
         lb = max((work + opt_tot + after) / p, m * float(per.max()))
         if p == 1:
@@ -399,9 +400,12 @@ class PlanCostModel(PlanTables):
                 chosen_all |= set(choose_recompute(blocks, u, self.blocks, excess, rc_pin, recompute, minimise))
         rc_units: dict[str, str] = {}
         F_s, B_s, act_s, states_s, cats_s, rc_s = [], [], [], [], [], []
+        fused: list[int] = []  # stages holding checkpoint regions: one backward, no I/W split
         for s in range(S):
             i, j = starts[s], ends[s]
             chosen = [x for x in range(i, j) if x in chosen_all]
+            if chosen:
+                fused.append(s)
             saved = freed_bytes(u, chosen_all, i, j)
             rtime = sum(u.rc_time[x] for x in chosen)
             for x in chosen:
@@ -415,6 +419,7 @@ class PlanCostModel(PlanTables):
             states_s.append(base_st[s])
             cats_s.append(chain.categories(i, j))
             rc_s.append(rtime)
+        F_s, B_s, z3_s = zero3_stage_times(self, c, rows, starts, ends, u, links.get("dp"), F_s, B_s, f0, b0, rc_s, one)
         # pipeline transfers slow the compute beside them (`cost.pipeline_time`, as cost.estimate)
         stretch_stage_times(F_s, B_s, [float(hop[starts[s + 1] - 1]) for s in range(S - 1)], contention_of(pp_link))
         # per rank: its states by category and its optimizer step (no schedule needed)
@@ -433,7 +438,7 @@ class PlanCostModel(PlanTables):
         # warm-up), which decides most plans that do not fit without building the step's
         # schedule; then the split's time bound; only then the step's schedule
         if c.pp > 1 and cutoff is not None and minimise == "time":
-            held_small = held_peaks(small, act_s)
+            held_small = held_peaks(fuse_backward(small, fused), act_s)
             worst = max(st_r[r] + held_small[r] + fixed for r in range(P))
             if worst > limit * (1 + 1e-9):
                 return Evaluation(step_s=INF, peak_bytes=worst, memory={"peak": worst, "limit": limit},
@@ -443,7 +448,9 @@ class PlanCostModel(PlanTables):
                 return Evaluation(step_s=lb, peak_bytes=worst, memory={"peak": worst, "limit": limit},
                                   notes=["bound over the cutoff (peak: a lower bound)"], pruned=True, **early)
         if c.pp > 1:
-            sched = self.schedule(c)
+            # under ZB-H1 / ZBV a stage holding checkpoint regions runs its backward whole at its
+            # I and no W (runtime/pipeline.py): price and walk that schedule
+            sched = fuse_backward(self.schedule(c), fused)
             held = held_peaks(sched, act_s)
         rank_peaks, rank_cats = [], []
         for r in range(P):
@@ -509,10 +516,10 @@ class PlanCostModel(PlanTables):
                                                    self.bucket_bytes)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
-            step = max(step, ends_r[r] + exposed + after + ep_sync + opt_r[r])
+            step = max(step, ends_r[r] + exposed + after + ep_sync + zero3_tail(mine, z3_s) + opt_r[r])
             dp_exposed_max = max(dp_exposed_max, exposed + after)
         step += self.context_exposed(c)  # the attention exchange's exposed part (cost.estimate adds the same)
-        comm = self._comm_report(c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed_max, z3f,
+        comm = comm_report(self, c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed_max, z3f,
                                  z3b, rows)
         flops = m * max(sum(float(u.flops[starts[s]:ends[s]].sum()) for s in stages_of[r]) for r in range(P))
         mfu = m * float(u.flops.sum()) / P / (step * self.hw.peak(self.main_dtype)) if step > 0 else 0.0
@@ -541,38 +548,6 @@ class PlanCostModel(PlanTables):
                 pre_f += F_s[s]
                 pre_b += B_s[s]
         return lb
-
-    def _comm_report(self, c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed, z3f, z3b, rows):
-        """Per axis, rank 0's bytes sent, time and exposed time per step."""
-        m = c.micro
-        mine = stages_of[0]
-        comm: dict[str, dict[str, float]] = {}
-        if c.tp > 1:
-            t = m * sum(float(u.tp_comm[starts[s]:ends[s]].sum()) for s in mine)
-            comm["tp"] = {"bytes_sent": m * sum(float(u.tp_bytes[starts[s]:ends[s]].sum()) for s in mine),
-                          "time_s": t, "exposed_s": t}
-        if c.replicas > 1:
-            z3 = m * sum(float((z3f + z3b)[starts[s]:ends[s]].sum()) for s in mine)
-            comm[data_axis_name(c)] = {"bytes_sent": dp_bytes, "time_s": dp_time, "exposed_s": dp_exposed + z3}
-        if c.cp > 1:  # the attention exchange, per step (search.context prices it)
-            e = self.context_entry(c)
-            t = self.context_exposed(c)
-            comm["cp"] = {"bytes_sent": float(e["bytes"][c.context] or 0.0), "time_s": t, "exposed_s": t}
-        if c.pp > 1:
-            nb = sum(float(u.cross[starts[s] - 1]) for s in range(1, len(starts)))
-            comm["pp"] = {"bytes_sent": 2 * m * nb / c.pp, "time_s": 2 * m * sum(p2p) / c.pp,
-                          "exposed_s": 0.0}  # inside the simulated makespan
-        if c.ep > 1 and self.moe_blocks and c.pp == 1:  # the collectives estimate counts (`rank_ep_comm`)
-            t, sent = self.rank_ep_comm(c)
-            comm["ep"] = {"bytes_sent": m * sent, "time_s": m * t, "exposed_s": m * t}
-        elif c.ep > 1 and self.moe_blocks:
-            a2a, _comp, grad = self._ep_terms(c, rows)
-            share = float(sum(self.moe_units[starts[s]:ends[s]].sum() for s in mine) / max(self.moe_units.sum(), 1.0))
-            e = ep_cost(self.moe_blocks, c.mesh(), "ep", self.hw, tokens_per_rank=rows * self.tokens_per_row()[0])
-            al = self.links(c)["ep"]
-            comm["ep"] = {"bytes_sent": m * share * al.bytes_sent("all_to_all", e.a2a_payload_bytes),
-                          "time_s": m * share * a2a + grad, "exposed_s": m * share * a2a + grad}
-        return comm
 
     def _loss_extra(self, c: Candidate, rows: int, cats: dict, ws: float) -> float:
         """What the loss's backward (on the rank of the last stage) needs beyond the usual

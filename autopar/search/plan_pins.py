@@ -6,7 +6,9 @@ Pins (`PIN_KEYS`): "tp", "pp", "dp", "ep", "cp", "mesh" ({axis: size}, merged in
 to lower case with underscores), "pp_virtual" (stages per pipeline rank: interleaved_1f1b's v,
 searched otherwise; 2 admits zbv too, 1 the one-stage schedules), "split_points", "recompute" ("none", "full", "auto" or
 {module path: "full" | "none"}), "param_layouts" ({name: Layout, {axis: placement text} or a
-tp placement}: normalised to the tp placement), "bucket_mb", "fusions".
+tp placement}: normalised to the tp placement), "bucket_mb", "fusions", "loss_parallel" (True: the
+logits stay vocabulary-sharded on tp and the loss runs on the shards, `Plan.loss_parallel`: the
+head is pinned column-parallel and priced so, `search.shard_loss`).
 
 `normalise_pins(pins, world)` raises ValueError naming a pin the planner does not know, a
 value it cannot take, or a pin the fixed mesh contradicts; `world_size(world)` is the ranks
@@ -27,7 +29,7 @@ AXES = ("tp", "pp", "dp", "ep", "cp")  # the mesh axes the planner factorises th
 
 PIN_KEYS = ("tp", "pp", "dp", "ep", "cp", "context_method", "mesh", "zero_stage", "n_microbatches", "schedule",
             "pp_virtual", "split_points",
-            "recompute", "param_layouts", "bucket_mb", "fusions")
+            "recompute", "param_layouts", "bucket_mb", "fusions", "loss_parallel")
 
 
 def world_size(w: int | Mapping[str, int]) -> int:
@@ -80,6 +82,10 @@ def normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
         out["param_layouts"] = pp
     if "context_method" in out and out["context_method"] not in METHODS:
         raise ValueError(f"pin context_method={out['context_method']!r} is unknown; choose one of {list(METHODS)}")
+    if "loss_parallel" in out and not isinstance(out["loss_parallel"], bool):
+        raise ValueError(f"pin loss_parallel={out['loss_parallel']!r} must be True or False")
+    if out.get("loss_parallel") is False:
+        out.pop("loss_parallel")  # the default: one cache key for both spellings
     rc = out.get("recompute")
     if rc is not None and not isinstance(rc, Mapping) and rc not in ("none", "full", "auto"):
         raise ValueError(f"pin recompute={rc!r} must be 'none', 'full', 'auto' or {{module path: 'full'|'none'}}")

@@ -37,11 +37,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from autopar.cost.memory import CROSS_ENTROPY, HELD_OUTPUTS, liveness
-from autopar.cost.pipeline_memory import StageMemory, rank_peaks, stage_graph, stage_of_nodes, weight_grad_bytes
+from autopar.cost.memory import HELD_OUTPUTS, liveness
+from autopar.cost.pipeline_memory import (StageMemory, forward_peak, rank_peaks, received_grad_bytes, split_backward,
+                                          stage_graph, stage_of_nodes)
 from autopar.search.candidate import Candidate
 
-__all__ = ["grads_of", "stage_memories", "pipeline_rank_peaks", "unit_first_nodes"]
+__all__ = ["grads_of", "stage_graph_of", "stage_memories", "pipeline_rank_peaks", "unit_first_nodes"]
 
 
 def unit_first_nodes(model: Any) -> list[int]:
@@ -60,31 +61,45 @@ def unit_first_nodes(model: Any) -> list[int]:
     return hit
 
 
+def stage_graph_of(model: Any, lo: int, hi: int):
+    """The stage holding nodes [lo, hi) of the model's graph (`cost.pipeline_memory.stage_graph`;
+    the last stage when hi is the node count), cached."""
+    g = model._split_cache.get(("stage_graph", lo, hi))
+    if g is None:
+        N = len(model.gc.nodes)
+        g = stage_graph(model.gc, [0] * lo + [1] * (hi - lo) + [2] * (N - hi), 1)
+        model._split_cache[("stage_graph", lo, hi)] = g
+    return g
+
+
 def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_grad: np.ndarray) -> tuple:
-    """(first peak, later peak, forward end, inputs, walk gradients, bytes held from I to W) of
-    the stage holding nodes [lo, hi) of the graph, cached."""
+    """(first peak, later peak, forward end, inputs, walk gradients, the split backward's terms, the
+    gradients received for its outputs, the forward's peak) of the stage holding nodes [lo, hi) of the graph, cached."""
     z = c.zero if c.replicas > 1 else 0
-    key = ("stage_walk", c.tp, rows, c.cp, lo, hi, z, c.replicas, c.ep, c.micro > 1)
+    splits = c.schedule in ("zb_h1", "zbv")  # ZB-H1 / ZBV split the backward (I and W)
+    key = ("stage_walk", c.tp, rows, c.cp, lo, hi, z, c.replicas, c.ep, c.micro > 1, splits)
     hit = model._split_cache.get(key)
     if hit is not None:
         return hit
     gc = model.gc
     N = len(gc.nodes)
-    g = model._split_cache.get(("stage_graph", lo, hi))
-    if g is None:  # the last stage when hi == N
-        g = model._split_cache[("stage_graph", lo, hi)] = stage_graph(gc, [0] * lo + [1] * (hi - lo) + [2] * (N - hi), 1)
+    g = stage_graph_of(model, lo, hi)
     index = {p.key: i for i, p in enumerate(gc.params) if p.key is not None}
     pg = {p.key: float(param_grad[index[p.key]]) for p in g.params if p.requires_grad and p.key is not None}
     values = model._values(rows, c.cp)
     div = model.sharding(c.tp).mem_div
-    loss = CROSS_ENTROPY if hi == N else HELD_OUTPUTS
-    first = liveness(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss)
+    loss = model.sharding(c.tp).loss if hi == N else HELD_OUTPUTS  # the last stage's: gathered or vocab-parallel
+    trace: list = []  # its forward part is the F's peak (`forward_peak`)
+    first = liveness(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss, trace=trace)
     later = liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=div,
                      loss=loss).peak if c.micro > 1 else first.peak
     scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
-    pending = weight_grad_bytes(g, values, div) * scale if lo > 0 else 0.0  # stage 0: its W is its whole backward
+    split = (split_backward(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss).scaled(scale)
+             if lo > 0 and splits else None)  # stage 0: its W is its whole backward
     hit = model._split_cache[key] = (float(first.peak) * scale, float(later) * scale, float(first.forward_end) * scale,
-                                     float(first.inputs) * scale, float(first.param_grads), pending)
+                                     float(first.inputs) * scale, float(first.param_grads), split,
+                                     0.0 if hi == N else received_grad_bytes(g, values, div) * scale,
+                                     forward_peak(g, values, storage_divisor=div, loss=loss, trace=trace) * scale)
     return hit
 
 
@@ -97,12 +112,12 @@ def stage_memories(model: Any, c: Candidate, rows: int, starts: Sequence[int], e
     out = []
     for i, j in zip(starts, ends):
         cats = chain.categories(i, j)
-        first, later, held, inputs, walk_grads, pending = _stage_walk(model, c, rows, firsts[i], firsts[j],
-                                                                      st.param_grad)
+        first, later, held, inputs, walk_grads, split, out_grads, fwd_peak = _stage_walk(model, c, rows, firsts[i],
+                                                                                         firsts[j], st.param_grad)
         out.append(StageMemory(persistent=cats["params"] + cats["master"] + cats["optimizer"] + cats["buffers"],
                                grads=cats["grads"], walk_grads=walk_grads, first=first, later=later, held=held,
                                inputs=inputs, transient=float(trans_u[i:j].sum()), step_temp=chain.adam_range(i, j),
-                               pending=pending))
+                               split=split, out_grads=out_grads, fwd_peak=fwd_peak))
     return out
 
 

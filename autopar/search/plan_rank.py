@@ -14,7 +14,8 @@ rule: tests/unit/test_one_cost_model.py checks the two agree on every candidate)
   ZeRO 3   the runtime's units (`cost.zero_comm.zero3_events`, `zero3_payloads`): every
            micro-batch gathers every unit in forward and re-gathers the saved ones in backward,
            the last one also reduce-scatters (`cost.zero_comm.zero3_walk`).
-  memory   the liveness walk with the cross-entropy loss (`cost.memory.liveness`, traced once
+  memory   the liveness walk with the loss (`ShardInfo.loss`: cross-entropy on gathered logits or the
+           vocab-parallel loss under `loss_parallel`; `cost.memory.liveness`, traced once
            per (tp, cp) at 1 row and at the most rows, each point linear in the rows between;
            with ep at the rows themselves):
            the parameter gradients appear as backward makes them in a step of one micro-batch,
@@ -52,7 +53,7 @@ from autopar.cost import evaluate
 from autopar.cost.expert_comm import EPEvents, ep_events
 from autopar.cost.expert_memory import EPMemory, ep_compute_divisor, ep_memory
 from autopar.cost.node_time import NodeTimer
-from autopar.cost.memory import CROSS_ENTROPY, liveness, padded_numel, rows_of, tp_local_shape, with_param_dtype
+from autopar.cost.memory import liveness, padded_numel, rows_of, tp_local_shape, with_param_dtype
 from autopar.cost.comm import axis_links
 from autopar.cost.overlap import contention_of
 from autopar.cost.placements import Layout, Replicate, Shard
@@ -419,7 +420,7 @@ class RankTables:
             values = self._values(rows, cp)
             div = self.rank_mem_div(t, rows, ep, cp)
             tr: list = []
-            live = liveness(self.gc, values, param_grad_bytes={}, storage_divisor=div, loss=CROSS_ENTROPY,
+            live = liveness(self.gc, values, param_grad_bytes={}, storage_divisor=div, loss=self.sharding(t).loss,
                             trace=tr)
             order_keys = tr.pop()
             index = {p.key: i for i, p in enumerate(self.gc.params) if p.key is not None}
@@ -457,7 +458,7 @@ class RankTables:
             live = timeline(self.gc, regions, self._values(rows, c.cp),
                             hardware=self.hw, param_grad_bytes=pg, grads_preallocated=c.micro > 1,
                             storage_divisor=self.rank_mem_div(c.tp, rows, self._ep_of(c), c.cp), keep_points=False,
-                            loss=CROSS_ENTROPY,
+                            loss=self.sharding(c.tp).loss,
                             compute_divisor=ep_compute_divisor(self.sharding(c.tp).comp_div, self.ep_rank(
                                 c.tp, rows, self._ep_of(c), 1, c.cp)[0].compute if self._ep_of(c) > 1 else {}))
             scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)

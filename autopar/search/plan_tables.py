@@ -62,7 +62,7 @@ from autopar.cost import analyze, evaluate, liveness, load_profile
 from autopar.cost.comm import axis_links
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
-from autopar.cost.memory import (CROSS_ENTROPY, HELD_OUTPUTS, OptimizerSpec, device_resident, offload_step_seconds,
+from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident, offload_step_seconds,
                                  padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
@@ -129,7 +129,7 @@ class PlanTables(ContextTables, RankTables):
                  optimizer: Any = "adamw", precision: Mapping[str, Any] | None = None,
                  param_pins: Mapping[str, Placement] | None = None,
                  node_pins: Mapping[str, Placement] | None = None, gc: GraphCost | None = None,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, loss_parallel: bool = False):
         hw = load_profile(hardware)
         self.base_hw = hw
         if world > hw.world_size:
@@ -146,7 +146,7 @@ class PlanTables(ContextTables, RankTables):
         self.param_pins = dict(param_pins or {})
         self.bucket_mb = bucket_mb
         self.bucket_bytes = bucket_caps(bucket_mb)
-        self.node_pins = dict(node_pins or {})
+        self.node_pins, self.loss_parallel = dict(node_pins or {}), bool(loss_parallel)  # the ILP's; the loss's
         self.symbolic_batch = any(str(k) == "b" for k in self.gc.values())
         self.captured_rows = self._captured_rows()
         self.global_batch = int(global_batch or self.captured_rows or 1)
@@ -272,11 +272,10 @@ class PlanTables(ContextTables, RankTables):
     # ------------------------------------------------------------------ sharding per tp degree
     def sharding(self, t: int) -> ShardInfo:
         """The sharding ILP's plan for tp = t (solved once per t; t = 1: everything replicated)."""
-        hit = self._shard.get(t)
-        if hit is None:
+        if (hit := self._shard.get(t)) is None:
             hit = self._shard[t] = shard_info(self.gm, self.gc, self.hw, self.world, t, param_pins=self.param_pins,
                                               node_pins=self.node_pins, rg=self.rg, fx_unit=self.fx_unit,
-                                              captured_rows=self.captured_rows)
+                                              captured_rows=self.captured_rows, loss_parallel=self.loss_parallel)
             self.ilp_seconds += hit.seconds
         return hit
 
@@ -299,8 +298,7 @@ class PlanTables(ContextTables, RankTables):
         values = self._values(rows, cp)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
         timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
-        fwd, bwd, act, flops = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
-        ef, eb = np.zeros(L), np.zeros(L)
+        fwd, bwd, act, flops, ef, eb = (np.zeros(L) for _ in range(6))
         memo: dict = {}
 
         def ev(x):  # identical layers repeat the same expressions: evaluate each once
@@ -333,10 +331,11 @@ class PlanTables(ContextTables, RankTables):
                 for nb, md in saved:
                     act[u] += ev(nb) / md
         fwd, bwd, act, flops, ef, eb = (x * scale for x in (fwd, bwd, act, flops, ef, eb))
-        tpc = np.zeros(L)
-        tp_bytes = np.zeros(L)
+        tpc, tp_bytes, loss_t = np.zeros(L), np.zeros(L), 0.0
         if t > 1:
             link = axis_links(self.hw, {"dp": max(self.world // t, 1), "tp": t})["tp"]
+            loss_t = sum(link.time(op, nb, "auto") for op, _a, nb in info.loss_comm(gc, ev))  # the vocab-parallel loss:
+            fwd[self.node_unit[-1]] += loss_t  # its all-reduces block the last node, as estimate times them
             memo: dict = {}
             for unit, src, dst, pg, c0, c1 in info.conversions:
                 nb = c0 + c1 * rows / cp  # the per-row part is activations: s / cp tokens
@@ -356,6 +355,7 @@ class PlanTables(ContextTables, RankTables):
         both = np.array([x for u in range(L) for x in node_fb[rep[u]]]).reshape(-1, 2) * scale
         out.node_fwd, out.node_bwd = np.zeros(len(gc.nodes)), np.zeros(len(gc.nodes))
         out.node_fwd[idx], out.node_bwd[idx] = both[:, 0], both[:, 1]
+        out.node_fwd[gc.nodes[-1].index] += loss_t
         self._units[key] = out
         return out
 
@@ -440,7 +440,7 @@ class PlanTables(ContextTables, RankTables):
     def workspace(self, t: int, rows: int, cp: int = 1, at_loss: bool = False) -> float:
         """Liveness peak beyond the saved tensors (activation gradients, temporaries, logits),
         the outputs held through backward as `model.step` holds them. `at_loss`: the walk with
-        the cross-entropy loss's own tensors (`cost.memory.CROSS_ENTROPY`, what `cost.estimate`
+        the loss's own tensors (`ShardInfo.loss`: CROSS_ENTROPY, or VOCAB_PARALLEL; what `cost.estimate`
         walks), whose peak is at the loss's backward, before any parameter gradient exists.
         The walk is exact at 1 row and at the most rows any plan of this world gives a micro-
         batch; in between the chord (the peak is a maximum of sums linear in the rows, so
@@ -459,13 +459,12 @@ class PlanTables(ContextTables, RankTables):
 
     def _liveness_extra(self, t: int, rows: int, cp: int = 1, at_loss: bool = False) -> float:
         key = ("live", t, rows, cp, at_loss)
-        hit = self._split_cache.get(key)
-        if hit is None:
+        if (hit := self._split_cache.get(key)) is None:
             info = self.sharding(t)
             values = self._values(rows, cp)
             scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
             live = liveness(self.gc, values, param_grad_bytes={p.key: 0.0 for p in self.gc.params if p.key is not None},
-                            storage_divisor=info.mem_div, loss=CROSS_ENTROPY if at_loss else HELD_OUTPUTS)
+                            storage_divisor=info.mem_div, loss=info.loss if at_loss else HELD_OUTPUTS)
             hit = self._split_cache[key] = max(0.0, live.peak - live.saved) * scale
         return hit
 
@@ -554,7 +553,8 @@ class PlanTables(ContextTables, RankTables):
     def share_tables(self, other: "PlanTables") -> None:
         """Reuse `other`'s sharding ILPs and unit tables (they do not depend on the model states:
         the same graph, hardware and world, another precision or offload)."""
-        assert other.gm is self.gm and other.world == self.world and other.compute_dtype == self.compute_dtype
+        assert other.gm is self.gm and other.world == self.world and other.compute_dtype == self.compute_dtype \
+            and other.loss_parallel == self.loss_parallel
         self._shard, self._units, self._links, self._scheds = other._shard, other._units, other._links, other._scheds
 
     def offload_seconds(self, plan) -> tuple[float, float]:

@@ -8,7 +8,8 @@ unless pinned), with cp the attention exchange the cost model priced (`plan.extr
 which `parallelize` runs and `cost.estimate` reads), with ep the experts' entry
 (`plan.extra["expert"]`, `search.expert.plan_experts` as `build.plan_complete` would write it:
 this rank's experts, the routed rows that `cost.estimate` and the planner price), the precision
-that was priced, the predictions and the report's reasons as notes.
+that was priced, the loss that was priced (`plan.loss_parallel`, from the "loss_parallel" pin: the
+tables' `ShardInfo.loss`), the predictions and the report's reasons as notes.
 
 Reads node.meta only through the cost model's tables; writes none. Deterministic: no timings
 in the Plan.
@@ -37,6 +38,7 @@ def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:
     plan = Plan(mesh=mesh, dp_axis="dp" if "dp" in mesh else None, zero_stage=c.zero if c.replicas > 1 else 0,
                 n_microbatches=c.micro, bucket_mb=float(search.pins.get("bucket_mb", 25.0)),
                 **search.model.precision)  # what was priced is what runs
+    plan.loss_parallel = search.model.loss_parallel  # the loss the tables priced (`ShardInfo.loss`)
     if c.tp > 1:
         info = search.model.sharding(c.tp)
         sol = info.solution

@@ -106,9 +106,9 @@ RUNTIME_SUPPORT = {
     # the expert pass keeps its nodes in their block, so a block is one checkpoint region; its
     # collectives are kept, not re-run (tests/dist/test_moe_context_recompute.py)
     "recompute_with_ep": True,
-    # selective checkpoint regions allow one backward; zb_h1 / zbv run input and weight gradients
-    # as two (torch: "Trying to backward an extra time ... selective activation checkpoint")
-    "recompute_with_split_backward": False,
+    # a checkpoint region allows one backward: under zb_h1 / zbv a stage holding regions runs its
+    # backward whole at its I, no W (runtime/pipeline.py; tests/dist/test_zero_bubble_recompute.py)
+    "recompute_with_split_backward": True,
     "cp": True,  # context parallelism (ring / Ulysses) on dp, ZeRO and tp: tests/dist/test_context_parallel.py
     # the stages are cut after the cp passes, each holds its layers' exchange (tests/dist/test_pipeline_context.py)
     "cp_with_pp": True,
@@ -236,7 +236,8 @@ class _Search:
         self.notes: list[str] = []
         self.model = PlanCostModel(gm, hw, world, global_batch=global_batch, optimizer=optimizer,
                                    param_pins=pins.get("param_layouts"), gc=gc,
-                                   bucket_mb=float(pins.get("bucket_mb", 25.0)), precision=precision)
+                                   bucket_mb=float(pins.get("bucket_mb", 25.0)), precision=precision,
+                                   loss_parallel=bool(pins.get("loss_parallel")))
         if shared is not None:  # the same graph and hardware: the sharding ILPs and unit tables carry over
             self.model.share_tables(shared)
         self.split_pins = list(pins.get("split_points") or [])

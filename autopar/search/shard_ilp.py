@@ -25,6 +25,13 @@ and reports the proven relative gap.
 Megatron's column/row split, sequence parallelism (all-gather / reduce-scatter pairs) and
 Ulysses-style head/sequence all-to-alls are outcomes of this program, not cases in it.
 
+Outputs are required replicated (the runtime gathers them), except the vocabulary head's
+logits under `loss_parallel` (`search.shard_loss`): Shard(last dim), with the vocab-parallel
+loss's all-reduces in that strategy's cost (`ShardSolution.loss_s`, in compute_s, not comm_s).
+
+Sizes are evaluated at the size symbols' example values by `search.sym_size` (torch's own size
+functions too: an MoE capacity `CeilToInt(FloatTrueDiv(...))`).
+
 Reads node.meta["autopar"] and node.meta["val"]; writes nothing (the solution is returned
 and goes into the Plan: `plan.strategies[axis]`).
 """
@@ -52,6 +59,8 @@ from autopar.passes import ir
 from autopar.passes.rules.sharding import (Strategy, is_tensor, is_tuple, partial_grad, requires_grad_nodes,
                                            strategies_for, value_shape)
 from autopar.cost.placements import Placement, R, Replicate, Shard, conversion_time
+from autopar.search.shard_loss import loss_seconds, vocab_output
+from autopar.search.sym_size import numel
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 INF = float("inf")
@@ -80,6 +89,7 @@ class ShardSolution:
     unruled: Counter = field(default_factory=Counter)
     excluded: list[str] = field(default_factory=list)
     recounted_comm_s: float = 0.0  # communication of the chosen plan counted conversion by conversion
+    loss_s: float = 0.0  # the vocab-parallel loss's all-reduces (loss_parallel), inside compute_s
 
     def strategies(self) -> dict[str, str]:
         """node key -> strategy text, for `plan.strategies[axis]`."""
@@ -106,7 +116,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
                    hardware: str = "h100-sxm", memory_limit: float | None = None, state_bytes_per_param: float = 16.0,
                    param_pins: Mapping[str, Placement] | None = None, node_pins: Mapping[str, Placement] | None = None,
                    time_limit_s: float = 60.0, tie_layers: bool = True, sizes: Mapping[str, int] | None = None,
-                   gc: Any = None) -> ShardSolution:
+                   gc: Any = None, loss_parallel: bool = False) -> ShardSolution:
     """Choose a strategy for every node of `gm` on mesh axis `axis` of size `k`.
 
     memory_limit: bytes per device for model states (`state_bytes_per_param` bytes per element
@@ -114,6 +124,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     param_pins / node_pins: placements fixed by the user (parameter name / node key -> placement).
     gc: `analyze(gm, hardware)` when the caller has it already (the joint planner solves one
         graph for several axis sizes); None: analysed here.
+    loss_parallel: the vocabulary head's logits leave Shard(last dim) (module docstring).
     """
     t0 = time.perf_counter()
     mesh = dict(mesh or {axis: k})
@@ -131,6 +142,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
     sym_vals = _symbol_values(gm, gc, values)
     keys, rg = facts.keys, facts.rg
     param_pins, node_pins = dict(param_pins or {}), dict(node_pins or {})
+    loss_s, loss_node = 0.0, None
 
     @functools.lru_cache(maxsize=None)
     def conv(src, dst, pg, nbytes):  # conversion_time with this solve's link, memoised
@@ -154,6 +166,12 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
         elif n.op == "output":
             ins = [a for a in n.all_input_nodes if is_tensor(a)]
             strats[n] = [Strategy(tuple(R for _ in ins), None, 0.0)]
+            head = vocab_output(gm, ins, k) if loss_parallel else None
+            if head is not None:  # the logits stay vocab-sharded; the loss's all-reduces replace their gather
+                j, a = head
+                loss_s, loss_node = loss_seconds(a, facts.nbytes(a, sym_vals), link), n
+                last = Shard(a.meta["val"].dim() - 1)
+                strats[n] = [Strategy(tuple(last if i == j else R for i in range(len(ins))), None, 0.0)]
         elif n.op == "call_function":
             if not is_tensor(n) and not any(is_tensor(a) for a in n.all_input_nodes):
                 continue
@@ -234,10 +252,13 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
         for i, s in enumerate(group_strats[g]):
             cost[x(g, i)] += mult * full * s.work
             if n.op == "get_attr" and n in rg:
-                numel = _numel(value_shape(n), sym_vals)
-                mem[x(g, i)] += mult * numel * state_bytes_per_param / (k if isinstance(s.out, Shard) else 1)
+                elems = numel(value_shape(n), sym_vals)
+                mem[x(g, i)] += mult * elems * state_bytes_per_param / (k if isinstance(s.out, Shard) else 1)
             elif s.out is not None:
                 mem[x(g, i)] += mult * saved * (s.work if s.work > 0 else 1.0)
+
+    if loss_node is not None:  # a constant of the one output strategy, kept in the objective
+        cost[x(gid[loss_node], 0)] += loss_s
 
     # resharding. For every (producer, consumer) edge, transport variables e[i, r] >= 0 couple
     # the producer's output placement i with the consumer's requirement r (sum over r = X_i,
@@ -373,7 +394,7 @@ def solve_sharding(gm: fx.GraphModule, axis: str, k: int, *, mesh: Mapping[str, 
                          compute_s=total - comm_s, comm_s=comm_s, gap=None if gap is None else float(gap),
                          status=status, seconds=time.perf_counter() - t0, n_vars=nv, n_constraints=len(rows),
                          n_nodes=len(nodes), n_groups=len(group_strats), repeated_layers=n_rep, memory_bytes=memory,
-                         unruled=unruled, excluded=excluded, recounted_comm_s=check_comm)
+                         unruled=unruled, excluded=excluded, recounted_comm_s=check_comm, loss_s=loss_s)
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -524,24 +545,6 @@ def _symbol_values(gm, gc, values) -> dict[str, int]:
     return out
 
 
-def _numel(shape, sym_vals) -> float:
-    if shape is None:
-        return 0.0
-    total = 1.0
-    for d in shape:
-        total *= d if isinstance(d, int) else _sym_dim(str(d), tuple(sorted(sym_vals.items())))
-    return total
-
-
-@functools.lru_cache(maxsize=4096)
-def _sym_dim(text: str, sym_items: tuple) -> float:
-    """The value of one symbolic dim ("2*s0") under the symbols' example values (parsing
-    with sympy is slow, and a deep model repeats the same few dims thousands of times)."""
-    import sympy  # noqa: PLC0415
-
-    return float(sympy.sympify(text).subs({sympy.Symbol(s): v for s, v in sym_items}))
-
-
 def _call_signature(n: fx.Node, forbidden, memo: dict) -> tuple | None:
     """What a sharding rule can see of a call: the op, its arguments with every node replaced
     by (position among the node's tensor inputs, shape, and dims sharded on other axes), the
@@ -590,7 +593,7 @@ def node_nbytes(n: fx.Node, sym_vals) -> float:
         import torch  # noqa: PLC0415
 
         item = getattr(torch, i.dtype).itemsize
-    return _numel(value_shape(n), sym_vals) * item
+    return numel(value_shape(n), sym_vals) * item
 
 
 __all__ = ["solve_sharding", "ShardSolution", "conversion_time", "requires_grad_nodes", "partial_grad", "layer_of",

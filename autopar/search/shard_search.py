@@ -70,7 +70,8 @@ def search_sharding(plan: Plan, gm: fx.GraphModule, mesh, hardware: str | Hardwa
             pins = {name: lay[axis] for name, lay in plan.param_layouts.items() if axis in dict(lay.axes)}
             try:
                 sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins,
-                                     node_pins=(node_pins or {}).get(axis), sizes=micro_sizes(gm, plan, mesh))
+                                     node_pins=(node_pins or {}).get(axis), sizes=micro_sizes(gm, plan, mesh),
+                                     loss_parallel=plan.loss_parallel and axis == "tp")
                 result = {"strategies": sol.strategies(), "params": {n: str(p) for n, p in sol.param_placements().items()},
                           "notes": [sol.summary()] + shard_notes(sol),
                           "layouts": {sol.keys[n]: str(s.out) for n, s in sol.chosen.items()

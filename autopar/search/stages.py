@@ -51,7 +51,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.fx as fx
 
 from autopar.cost import load_profile
-from autopar.cost.memory import CROSS_ENTROPY
+from autopar.cost.memory import CROSS_ENTROPY, LossModel
 from autopar.cost.comm import axis_links, collective_time
 from autopar.passes.split_pipeline import brief_names
 from autopar.search.stage_costs import Chain, LayerCost, count_chain, cross_bytes, layer_costs
@@ -213,7 +213,7 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
                   n_microbatches: int = 1, memory_limit: float | None = None, hardware: Any = "h100-sxm",
                   mesh: Mapping[str, int] | None = None, pins: Sequence[str] = (), microbatch: int | None = None,
                   zero_stage: int = 0, dp: int = 1, optimizer: Any = "adamw", master_dtype: Any = "auto",
-                  gc: GraphCost | None = None) -> StageSearch:
+                  gc: GraphCost | None = None, loss: LossModel = CROSS_ENTROPY) -> StageSearch:
     """Choose the split points of `gm` for `n_ranks` pipeline ranks x `n_virtual` stages each.
 
     Args:
@@ -228,6 +228,8 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
             default {"pp": n_ranks}.
         pins: unit names that must start a stage (a subset of the split points; the rest is searched).
         microbatch, zero_stage, dp, optimizer, master_dtype: see `layer_costs`.
+        loss: what the loss adds on the last stage, in multiples of `chain.loss_bytes`
+            (`cost.loss_memory.loss_model` of the plan: CROSS_ENTROPY, or VOCAB_PARALLEL).
     """
     t0 = time.perf_counter()
     hw = load_profile(hardware)
@@ -330,17 +332,17 @@ def search_stages(gm: fx.GraphModule | Chain, n_ranks: int, *, n_virtual: int = 
     def held_out(s: int, j: int) -> float:
         """What one in-flight micro-batch holds beyond its saved activations: a stage before the
         last keeps the outputs it sent until their backward; the last keeps the logits (`step`
-        holds the outputs) and the loss's saved log-softmax (`cost.memory.CROSS_ENTROPY`)."""
+        holds the outputs) and the loss's saved tensor (`loss`: CROSS_ENTROPY's log-softmax)."""
         if s < S - 1:
             return chain.cross_bytes[j - 1]
-        return (1.0 + CROSS_ENTROPY.saved) * chain.loss_bytes
+        return (1.0 + loss.saved) * chain.loss_bytes
 
     def at_backward(s: int, j: int) -> float:
         """Alive only while the stage's backward starts: the received gradient of its outputs (the
         last stage: the outputs' gradient and the loss backward's temporary)."""
         if s < S - 1:
             return chain.cross_bytes[j - 1]
-        return (1.0 + CROSS_ENTROPY.grad_temp) * chain.loss_bytes
+        return (1.0 + loss.grad_temp) * chain.loss_bytes
 
     def m_stage(s: int, i: int, j: int) -> float:
         inb = chain.cross_bytes[i - 1] if s > 0 else 0.0

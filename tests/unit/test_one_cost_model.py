@@ -171,15 +171,14 @@ def test_expert_parallel_candidates_equal_cost_estimate(graphs, name, hw):
     done = _agree(gm, hw, world=SMALL)
     eps = [(c, e) for c, _ev, e in done if c.ep > 1]
     assert {(c.ep, c.dp, c.zero) for c, _e in eps} >= {(2, 2, z) for z in range(4)} | {(4, 1, 0)}, eps
-    if name != "moe-tiny-capacity":  # its tp ILP fails on the capacity's size expression: the planner skips tp
-        assert any(c.tp > 1 for c, _e in eps)
+    assert any(c.tp > 1 for c, _e in eps)
     if name == "hf-mixtral":
         assert any(c.micro > 1 and c.dp > 1 for c, _e in eps)
     blocks = detect_moe(gm)
     per_block = [4 + 2 * bool(b.side_row_bytes) for b in blocks]  # dispatch, combine, their reverses (+ side data)
     for c, e in eps:  # estimate priced the expert entry the plan carries (graph collectives: per micro-batch)
         a2a = sum(r.calls for r in e.comm if r.op == "all_to_all" and r.axis == "ep")
-        assert blocks and a2a == sum(per_block), (c.label(), a2a)
+        assert blocks and a2a == c.micro * sum(per_block), (c.label(), a2a)  # once per micro-batch
         assert any(r.op == "all_reduce" and r.axis == "ep" and r.phase == "backward" for r in e.comm), c.label()
 
 
@@ -229,3 +228,28 @@ def test_expert_parallel_candidates_with_recomputed_blocks_equal_cost_estimate(g
         _close(ev.recompute_s, e.recompute_s, f"{hw} {c.label()} recompute")
         done += 1
     assert done >= 5
+
+
+@pytest.mark.parametrize("hw", ["cpu-gloo", "h100-sxm"])
+def test_loss_parallel_candidates_equal_cost_estimate(graphs, hw):
+    """pins={"loss_parallel": True} (`Plan.loss_parallel`, gpt-tiny): the tp candidates keep the
+    logits vocab-sharded and the loss runs on the shards; the planner prices it as estimate does
+    (`cost.loss_memory`: the shard-sized loss, the two tp all-reduces per micro-batch), to 1e-6,
+    at tp 2 (world 2), tp 2 x dp 2 and tp 4 (world 4). Each is below the same candidate's peak
+    with the logits gathered (the comparison sees the vocab-parallel loss)."""
+    from autopar.cost.loss_memory import VOCAB_PARALLEL  # noqa: PLC0415
+
+    gm = _graph(graphs, "gpt-tiny")
+    seen = set()
+    for world in (2, SMALL):
+        lp = _agree(gm, hw, pins={"loss_parallel": True}, world=world)
+        gathered = {c.label(): ev for c, ev, _e in _agree(gm, hw, world=world)}
+        for c, ev, e in lp:
+            if c.tp > 1:
+                seen.add((c.tp, c.dp))
+                assert ev.peak_bytes < gathered[c.label()].peak_bytes, c.label()
+    assert {(2, 1), (2, 2), (4, 1)} <= seen, seen
+    prof = load_profile(hw)
+    s = _Search(gm, prof, 2, {"loss_parallel": True}, DEFAULT_HEADROOM * prof.device.memory_bytes, None, 1, "adamw",
+                dict(RUNTIME_SUPPORT), None)
+    assert s.model.sharding(2).loss == VOCAB_PARALLEL and s.model.sharding(2).solution.loss_s > 0

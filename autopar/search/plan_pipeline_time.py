@@ -1,0 +1,64 @@
+"""ZeRO 3 inside a pipeline candidate's stages, as `cost.estimate` prices it (pp > 1).
+
+The joint planner's cost model (`plan_cost.PlanCostModel.evaluate`) chooses a pipeline split on
+its per-unit tables, where ZeRO 3's exposed gathers and reduce-scatters are a per-unit
+estimate (`plan_comm.zero3_exposed`); the chosen split's stage times then take ZeRO 3 from here:
+per stage `cost.pipeline_time.stage_zero3` (the function `cost.estimate` calls) on the stage's
+graph (`cost.pipeline_memory.stage_graph`, as `plan_pipeline_memory` builds it) with the nodes'
+seconds as estimate times them (`PlanTables.units(...).node_fwd`, `node_bwd`) and the rank's
+ZeRO-3 unit payloads (`plan_rank`'s): every micro-batch gathers (forward) and re-gathers the
+saved units (backward), the stage's last backward alone reduce-scatters, as the pipeline
+runtime runs its stage engines (`runtime.pipeline`: no_sync but for the last backward).
+
+node.meta: read only through `cost.analyze` (the GraphCost); writes nothing. Deterministic;
+cached on the model per (tp, rows, cp, replicas, ep, stage node range).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from autopar.cost.overlap import contention_of
+from autopar.cost.pipeline_time import add_stage_terms, stage_zero3
+from autopar.search.candidate import Candidate
+from autopar.search.plan_pipeline_memory import stage_graph_of, unit_first_nodes
+
+__all__ = ["pipeline_zero3", "zero3_stage_times"]
+
+
+def pipeline_zero3(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], u,
+                   link) -> list[tuple[float, float, float]] | None:
+    """Per stage of `c` split at unit `starts`: (forward, no_sync backward, the last backward's
+    extra) ZeRO-3 seconds per micro-batch (`cost.pipeline_time.stage_zero3`); None without
+    ZeRO 3 over replicas or without a data-parallel link. `u`: the candidate's `UnitCosts`."""
+    R = c.replicas
+    if c.zero != 3 or R < 2 or link is None or (c.ep > 1 and model.moe_blocks):  # ep pipelines: per unit
+        return None
+    ep = 1
+    _ev, gather, rs = model._zero3(c.tp, R, ep)
+    firsts = unit_first_nodes(model)
+    k = contention_of(link)
+    out = []
+    for i, j in zip(starts, ends):
+        lo, hi = firsts[i], firsts[j]
+        key = ("stage_zero3", c.tp, rows, c.cp, R, ep, lo, hi)
+        hit = model._split_cache.get(key)
+        if hit is None:
+            hit = model._split_cache[key] = stage_zero3(stage_graph_of(model, lo, hi), u.node_fwd, u.node_bwd, gather,
+                                                        rs, link.time, k)
+        out.append(hit)
+    return out
+
+
+def zero3_stage_times(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], u, link,
+                      F_s: list[float], B_s: list[float], f0, b0, rc_s: Sequence[float], one: bool):
+    """(F_s, B_s, per-stage ZeRO-3 terms or None): with ZeRO 3 on a pipeline (`pipeline_zero3`),
+    per stage its forward and backward seconds per micro-batch from its units' (`f0`, `b0`, with
+    their tensor-parallel conversions), its recompute (`rc_s`) and ZeRO 3's walk
+    (`cost.pipeline_time.add_stage_terms`); otherwise `F_s`, `B_s` as given."""
+    z3 = None if one else pipeline_zero3(model, c, rows, starts, ends, u, link)
+    if z3 is None:
+        return F_s, B_s, None
+    F_s = [float(f0[i:j].sum()) for i, j in zip(starts, ends)]
+    B_s = [float(b0[i:j].sum()) + rc for i, j, rc in zip(starts, ends, rc_s)]
+    add_stage_terms(F_s, B_s, None, z3)
+    return F_s, B_s, z3
