@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from autopar.passes.pass_manager import PassContext, PassManager, PassRecord
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import PipelineInfo, split_pipeline
 from autopar.runtime.mesh import Mesh, planning_group
-from autopar.runtime.schedules import SCHEDULES, make_schedule, simulate
+from autopar.runtime.schedules import SCHEDULES, fuse_backward, make_schedule, simulate
 
 __all__ = ["PipelineCut", "choose_stages", "cut_pipeline", "pipeline_shape", "write_schedule_svg", "write_stage_graphs"]
 
@@ -271,6 +271,19 @@ def _to_meta(gm: nn.Module) -> None:
             mod.register_buffer(n, torch.empty_like(b, device="meta"))
 
 
+def recomputing_stages(plan: Plan, stage_units: Sequence[Sequence[str]] | None) -> list[int]:
+    """The stages whose units (module paths) hold a module `plan.recompute` checkpoints (a unit
+    inside a recomputed module, or one containing it): those a zero-bubble schedule runs fused."""
+    rc = [m for m, mode in plan.recompute.items() if mode != "none"]
+    if not rc or not stage_units:
+        return []
+
+    def inside(u: str, m: str) -> bool:
+        return not m or u == m or u.startswith(m + ".") or m.startswith(u + ".")
+
+    return [s for s, units in enumerate(stage_units) if any(inside(u, m) for u in units for m in rc)]
+
+
 def write_schedule_svg(plan: Plan, out_dir: str) -> list[str]:
     """Draw the plan's pipeline schedule: `schedule.svg` (Gantt chart per rank, simulated with
     the search's per-stage times, or F=1, B=2 without them) and `schedule.txt` (the action
@@ -280,6 +293,9 @@ def write_schedule_svg(plan: Plan, out_dir: str) -> list[str]:
     name, pp, v = pipeline_shape(plan)
     sched = make_schedule(name, pp, plan.n_microbatches, v if v > 1 else None)
     info = plan.extra.get("pipeline") or {}
+    # under zb_h1 / zbv a stage holding checkpoint regions runs its backward whole at its I and no W
+    # (runtime/pipeline.py): draw the schedule that runs
+    sched = fuse_backward(sched, recomputing_stages(plan, info.get("stage_units")))
     f, b, p2p = info.get("stage_fwd_s"), info.get("stage_bwd_s"), info.get("p2p_s")
     if f and len(f) == sched.n_stages and b and p2p is not None:
         sim = simulate(sched, f=f, b=b, p2p=p2p)

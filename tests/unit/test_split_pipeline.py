@@ -339,3 +339,23 @@ def test_without_the_cost_model_a_chain_counts_nodes_and_sees_the_tied_weight_on
     assert c.state_bytes["lm_head.weight"] == 128 * 64 * 16
     r = search_stages(c, 2, schedule="1f1b", n_microbatches=2, hardware="cpu-gloo", memory_limit=math.inf)
     assert r.split_points == ["layers.1"]
+
+
+def test_the_schedule_dump_draws_recomputing_stages_fused_under_zero_bubble(tmp_path):
+    """Under zb_h1 a stage holding checkpoint regions runs its backward whole (B at its I's
+    place, no W: runtime/pipeline.py); the dump draws that schedule, not the split one."""
+    from autopar.build.pipeline import recomputing_stages
+
+    units = [["embed", "layers.0"], ["layers.1", "norm", "lm_head"]]
+    plan = Plan(mesh={"pp": 2}, dp_axis=None, schedule="zb_h1", n_microbatches=4, split_points=["layers.1"],
+                recompute={"layers.1": "full", "layers.0": "none"})
+    plan.extra["pipeline"] = {"stage_units": units}
+    assert recomputing_stages(plan, units) == [1]
+    assert recomputing_stages(Plan(mesh={"pp": 2}, dp_axis=None, recompute={"layers.1.mlp": "selective"}), units) == [1]
+    grid = open(write_schedule_svg(plan, str(tmp_path))[1]).read()
+    drawn = sch.Schedule.from_grid(grid)
+    kinds = {s: {a.kind for acts in drawn.actions for a in acts if a.stage == s} for s in (0, 1)}
+    assert kinds[1] == {sch.Kind.F, sch.Kind.B} and {sch.Kind.I, sch.Kind.W} <= kinds[0], kinds
+    plan.recompute = {}
+    split = sch.Schedule.from_grid(open(write_schedule_svg(plan, str(tmp_path / "split"))[1]).read())
+    assert sch.Kind.W in {a.kind for acts in split.actions for a in acts if a.stage == 1}
