@@ -469,16 +469,21 @@ class GradBuffers:
                     if not self.preallocated:
                         full = t.nbytes if t.is_state else self._state_bytes[t.key]
                         self.param_grads += self.pg.get(t.key, self.ev(full))
-            elif id(t) in self._grads:  # accumulated into the existing gradient: a temporary
-                transient += self.ev(t.nbytes, t.key)
-            elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):
-                self._grads[id(t)] = out_b[0]
-                self._refs[out_b[0]] += 1
             else:
-                self._grads[id(t)] = self._alloc(self.ev(t.nbytes, t.key))
+                transient += self.route(n, i, t, out_b, through, out_numel)
         observe(transient)
         for b in out_b:
             self._unref(b)
+
+    def route(self, n, i: int, t, out_b: list[int], through: bool, out_numel) -> float:
+        """Give `n`'s `i`-th gradient input `t` its gradient: accumulated (returns the temporary's
+        bytes), `n`'s output gradient passed through (a same-size view / pass-through op), or new."""
+        if id(t) in self._grads:
+            return self.ev(t.nbytes, t.key)
+        through = through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub"))
+        self._grads[id(t)] = out_b[0] if through else self._alloc(self.ev(t.nbytes, t.key))
+        self._refs[out_b[0]] += int(through)
+        return 0.0
 
 
 def liveness(gc: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, float] | None = None,

@@ -103,13 +103,7 @@ class _InputGradBuffers(GradBuffers):
         for i, t in enumerate(n.grad_inputs):
             if t.is_state or t.key in self._state_bytes or t.key not in self.to_in:
                 continue  # a parameter's branch: W's
-            if id(t) in self._grads:
-                transient += self.ev(t.nbytes, t.key)
-            elif through and t.numel == out_numel and (i == 0 or not n.op.startswith("aten.sub")):
-                self._grads[id(t)] = out_b[0]
-                self._refs[out_b[0]] += 1
-            else:
-                self._grads[id(t)] = self._alloc(self.ev(t.nbytes, t.key))
+            transient += self.route(n, i, t, out_b, through, out_numel)
             self._key_of[id(t)] = t.key
         k = COMPOSITE_BACKWARD_TEMPS.get(packet_name(n.op), 0.0)
         if k:
