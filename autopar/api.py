@@ -313,7 +313,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t, (args, kwargs))
         local_gm = rank_copy(_capture(local_args, local_kwargs))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
-    complete_plan(plan, global_gm, local_gm, mesh, hardware=hardware or _hardware(mesh), memory_budget=memory_budget,
+    complete_plan(plan, global_gm, local_gm, mesh, hardware=hardware or _hardware(mesh),
                   context_method=context_method, fusions_pinned=fusions_pinned)
     program, local_gm, stage_graphs, records = build_rank_program(
         global_gm, local_gm, plan, mesh, hardware=hardware or _hardware(mesh), memory_budget=memory_budget,

@@ -41,7 +41,7 @@ __all__ = ["complete_plan", "expert_node_pins", "router_stats_without_ep"]
 
 
 def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, mesh: Mesh, *, hardware: Any,
-                  memory_budget: float | int | None = None, context_method: str = "auto",
+                  context_method: str = "auto",
                   fusions_pinned: bool = False) -> None:
     """Fill `plan` in place for `mesh` (see the module docstring). `local_gm` is this rank's copy
     of the graph (the fusion search reads it when the batch was captured static)."""
