@@ -27,6 +27,14 @@ import pstats
 import signal
 
 INTERVAL_S = 0.005
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout is the package
+
+
+def _ours(file: str) -> bool:
+    """Our own code, wherever the checkout lies: a file under it that is not an installed library
+    (a virtual environment inside the checkout must not let pytest's or torch's frames in)."""
+    path = os.path.abspath(file)
+    return path.startswith(_ROOT + os.sep) and "site-packages" not in path.split(os.sep)
 
 
 class Sampler:
@@ -109,9 +117,10 @@ def report(directory: str, top: int = 25, module: str | None = None, everything:
         kept = []
         for ct, extra, where in rows:
             file = where.split(":", 1)[0]
-            if not everything and "/autopar/" not in file and "/work/main/" not in file:
+            if not everything and not _ours(file):
                 continue
-            kept.append((ct, extra, where.split("/work/main/")[-1]))
+            kept.append((ct, extra, os.path.relpath(file, _ROOT) + where[len(file):]
+                         if file.startswith(_ROOT + os.sep) else where))
         for ct, extra, where in sorted(kept, reverse=True)[:top]:
             col = f"{int(extra):8d}x" if second == "calls" else f"{extra:8.2f}s"
             lines.append(f"{ct:9.2f} s {ct / max(total, 1e-9):6.1%} {col}  {where}")
