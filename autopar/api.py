@@ -8,6 +8,11 @@ context exchange, fusions) -> this rank's program (autopar/build/program.py: the
 recompute, the prediction, the stages and one `runtime.program.Program`) -> the tensors this
 rank keeps (autopar/build/materialize.py, for a model on meta or given `weights`), wrapped as a
 `ParallelModel` that trains with `step()` and shows its plan and dumps.
+
+Work whose answer is the same on every rank (the mesh and MoE checks, the searches, the
+prediction) is done on rank 0 and broadcast (autopar/build/rank0.py), with its error raised on
+every rank. Once the program is built the captured graph only describes the model: its
+parameters and buffers become meta tensors in place (`pm.global_graph`).
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ import torch.nn as nn
 from autopar.runtime._torch_compat import pytree
 
 from autopar.build.materialize import has_meta_tensors, materialize, open_weights
-from autopar.build.model_tensors import model_tensors, shape_only_copy
+from autopar.build.model_tensors import make_shape_only, model_tensors, shape_only_copy
 from autopar.build.plan_complete import complete_plan
 from autopar.build.program import build_rank_program, rank_copy
+from autopar.build.rank0 import on_rank0
 from autopar.build.plan_check import (check_mesh_fits, check_micro_batches, check_moe_aux_stats,
                                       check_plan_against_graph, stamp)
 from autopar.capture import CaptureError, capture, capture_for_search
@@ -285,12 +291,15 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     if global_gm is None or global_gm.meta.get("autopar_capture", {}).get("compute_dtype") != _dtype_name(cast_to):
         global_gm = _capture(args, kwargs)
     check_captured_graph(global_gm, example_inputs)
-    plan.notes += check_moe_aux_stats(plan, global_gm, moe_aux_stats)  # refuses micro-batches under "global"
+    plan.notes += _moe_aux_stats_on_rank0(plan, global_gm, moe_aux_stats)  # refuses micro-batches under "global"
     if plan_given:
         plan.notes += check_plan_against_graph(plan, global_gm, mesh)
     else:
         if not getattr(mesh, "searched", False):
-            check_mesh_fits(global_gm, mesh)
+            if mesh.size("ep") > 1:  # an MoE detection (seconds on a large graph): rank 0's verdict everywhere
+                on_rank0(lambda: check_mesh_fits(global_gm, mesh), what="the mesh check")
+            else:
+                check_mesh_fits(global_gm, mesh)
         stamp(plan, global_gm)
     if loss_parallel is not None:
         if not isinstance(loss_parallel, bool):
@@ -313,17 +322,18 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
             lambda t: t[: t.shape[0] // k] if isinstance(t, torch.Tensor) and t.dim() else t, (args, kwargs))
         local_gm = rank_copy(_capture(local_args, local_kwargs))
         plan.notes.append(f"batch dim captured static; per-rank program captured at {k}x smaller batch")
-    complete_plan(plan, global_gm, local_gm, mesh, hardware=hardware or _hardware(mesh),
-                  context_method=context_method, fusions_pinned=fusions_pinned)
+    global_cost = complete_plan(plan, global_gm, local_gm, mesh, hardware=hardware or _hardware(mesh),
+                                context_method=context_method, fusions_pinned=fusions_pinned)
     program, local_gm, stage_graphs, records = build_rank_program(
         global_gm, local_gm, plan, mesh, hardware=hardware or _hardware(mesh), memory_budget=memory_budget,
-        sync_init=sync_init, dump_dir=dump_dir, engine_options=precision_engine)
+        sync_init=sync_init, dump_dir=dump_dir, engine_options=precision_engine, global_cost=global_cost)
     if on_meta or weights is not None:
         report = materialize(program.engine, mesh, model, weights, **model_tensors(global_gm, plan),
                              strict=strict_weights)
         plan.notes.append(report.note())
     global_gm.meta["autopar_state_keys"] = list(model.state_dict().keys())  # what save_pretrained writes
-    if not on_meta:  # the description keeps shapes, not the user's full tensors: shards can free them
+    if not on_meta and not make_shape_only(global_gm):  # in place: from here on nothing runs the captured graph
+        # the description keeps shapes, not the user's full tensors: shards can free them
         described = shape_only_copy(global_gm)
         if described is None:
             plan.notes.append("the captured graph did not deep-copy: pm.global_graph keeps the model's own tensors")
@@ -407,6 +417,23 @@ def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_micr
         raise ValueError(box[0]["error"])
     plan = Plan.from_json(box[0])
     return plan, make_mesh(device_type=mesh.device_type, **plan.mesh)
+
+
+def _moe_aux_stats_on_rank0(plan: Plan, global_gm, mode: str | None) -> list[str]:
+    """`check_moe_aux_stats` (the MoE router statistics' detection: seconds on a large graph) on
+    rank 0; every rank takes its verdict (`plan.extra["moe_aux_stats"]`, notes) or its error."""
+    def check() -> dict[str, Any]:
+        notes = check_moe_aux_stats(plan, global_gm, mode)
+        return {"notes": notes, "mode": plan.extra.get("moe_aux_stats")}
+
+    if not any(n.op == "call_function" and n.target is torch.ops.aten.topk.default for n in global_gm.graph.nodes):
+        return check_moe_aux_stats(plan, global_gm, mode)  # no router: nothing to detect, no broadcast
+    got = on_rank0(check, what="the MoE auxiliary statistics' check")
+    if got["mode"] is None:
+        plan.extra.pop("moe_aux_stats", None)
+    else:
+        plan.extra["moe_aux_stats"] = got["mode"]
+    return got["notes"]
 
 
 def _cast_dtype(param_dtype, model: nn.Module) -> torch.dtype | None:

@@ -46,7 +46,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from autopar.runtime._torch_compat import pytree
+from autopar.runtime._torch_compat import lazy_graph_module, pytree
 from torch.export import Dim
 
 from autopar import capture_cache
@@ -463,7 +463,9 @@ def _plain_graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
         env[n] = new.node_copy(n, lambda x: env[x])
         env[n].meta = dict(n.meta)
     new.lint()
-    return fx.GraphModule(root, new, class_name="CapturedGraph")
+    # lazy: a captured graph is copied, costed and rewritten far more often than it runs; its code
+    # is generated when first needed (runtime/_torch_compat.py)
+    return lazy_graph_module(root, new, class_name="CapturedGraph")
 
 
 # --- errors ------------------------------------------------------------------------------

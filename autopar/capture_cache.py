@@ -28,7 +28,8 @@ one entry. Anything the key cannot see (a monkey-patched global function, a modu
 changed through a property) is missed: set AUTOPAR_CAPTURE_CACHE=0 to turn the memo off, or
 call `clear()`.
 
-A hit returns a new GraphModule: a copy of the stored graph (fresh node.meta dicts, so a pass
+A hit returns a new GraphModule (lazy: its code is generated at its first call) holding a copy
+of the stored graph (fresh node.meta dicts, so a pass
 rewriting one graph never touches another; `NodeInfo` is frozen), bound to *this* model's
 parameters and buffers by name, with the stored graph's own constants (tensor attributes, and
 buffers the model does not have: export's lifted constants), registered as the first capture
@@ -52,7 +53,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.runtime._torch_compat import pytree
+from autopar.runtime._torch_compat import lazy_graph_module, pytree
 
 __all__ = ["MAX_ENTRIES", "clear", "counts", "enabled", "key_of", "lookup", "store"]
 
@@ -228,7 +229,9 @@ def lookup(key: tuple, model: nn.Module) -> fx.GraphModule | None:
             m.register_buffer(field, value)
         else:
             setattr(m, field, value)
-    gm = fx.GraphModule(root, _copy_graph(entry.graph), class_name="CapturedGraph")
+    # lazy: a hit is mostly copied (rank_copy) and described, seldom run; its code is generated
+    # when first needed (runtime/_torch_compat.py)
+    gm = lazy_graph_module(root, _copy_graph(entry.graph), class_name="CapturedGraph")
     gm.meta.update(_copy_meta(entry.gm_meta))
     gm.meta.setdefault("autopar_capture", {})["cached"] = True
     _COUNTS["hits"] += 1

@@ -28,19 +28,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autopar.runtime import checkpoint as ck
+from autopar.runtime.checkpoint_entries import engines_of, held_pieces, local_chunk
+from autopar.runtime.checkpoint_files import all_gather_object, ckpt_group
+from autopar.runtime.checkpoint_files import rank as ckpt_rank
 from autopar.runtime.checkpoint import CheckpointError, SaveHandle, latest_checkpoint, verify_checkpoint
 from autopar.runtime.checkpoint import CheckpointSaveError, clean_staging
 from autopar.runtime.faults import FaultGuard, RankUnresponsiveError, bounded_device_mesh, init_restartable
 from autopar.runtime.mesh import Mesh, make_mesh
 
-__all__ = ["save", "load", "latest_checkpoint", "verify_checkpoint", "export_state_dict", "import_state_dict",
+__all__ = ["save", "load", "latest_checkpoint", "verify_checkpoint", "export_state_dict", "gather_state_dict",
+           "import_state_dict",
            "fault_guard", "bounded_mesh", "init_restartable", "CheckpointError", "CheckpointSaveError",
            "RankUnresponsiveError", "SaveHandle", "clean_staging"]
 
@@ -112,8 +115,9 @@ def load(model, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None
 def export_state_dict(source, path: str | os.PathLike | None = None, *, dtype: torch.dtype | None = None,
                       like: torch.nn.Module | Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The full state dict of the original, unparallelised model (tied names included), from a
-    ParallelModel (collective; goes through a temporary checkpoint beside `path`, which every
-    rank must see) or from a checkpoint directory (one process). Written to `path` when given:
+    ParallelModel (collective: every rank sends rank 0 the pieces it is the first to hold, in
+    memory, and rank 0 assembles them; the names and values a checkpoint of the model holds) or
+    from a checkpoint directory (one process). Written to `path` by rank 0 when given:
     safetensors for `.safetensors`, else torch.save. Returns the dict on rank 0, {} elsewhere.
 
     `like`: the original model (or its state dict): keep exactly its keys, so that
@@ -125,34 +129,91 @@ def export_state_dict(source, path: str | os.PathLike | None = None, *, dtype: t
             ck.write_state_dict(sd, os.fspath(path))
         return sd
     info = _model_info(source)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    token = ck.agree(os.urandom(6).hex() if rank == 0 else None)
-    if path is not None:
-        base = os.path.abspath(os.fspath(path))
-        tmp = os.path.join(os.path.dirname(base), f".{os.path.basename(base)}.export-{token}")
-    else:
-        # a private folder: a save cleans the staging folders it finds beside its own, and
-        # another job exporting into the shared temp folder at the same time must not be one
-        tmp = os.path.join(ck.agree(_private_tempdir(token) if rank == 0 else None), "state")
-    try:
-        ck.save_checkpoint(tmp, source.engine, source.mesh, **info, optimizer=False)
-    except BaseException:
-        if rank == 0 and path is None:
-            shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
-        raise
-    sd, err = {}, None
-    if rank == 0:
+    sd, err = gather_state_dict(source.engine, source.mesh, **info), None
+    if ckpt_rank() == 0:
         try:
-            sd = _keep_like(ck.read_full_state_dict(tmp, verify="size", dtype=dtype), like)
+            sd = _keep_like({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                             for k, v in sd.items()}, like)
             if path is not None:
                 ck.write_state_dict(sd, os.fspath(path))
         except Exception as e:  # noqa: BLE001 - reported on every rank
             err = f"{type(e).__name__}: {e}"
-        shutil.rmtree(tmp if path is not None else os.path.dirname(tmp), ignore_errors=True)
     err = ck.agree(err)
     if err:
         raise RuntimeError(f"exporting the state dict failed on rank 0: {err}")
     return sd
+
+
+def gather_state_dict(engine, mesh, *, layouts: Mapping[str, Any], global_shapes: Mapping[str, Any],
+                      aliases: Sequence[Sequence[str]] = ()) -> dict[str, torch.Tensor]:
+    """The model's full state dict on rank 0 ({} elsewhere), gathered in memory: what
+    `autopar.save` writes under `model.` and `read_full_state_dict` reads back (every parameter
+    from the engine's masters under each of its names, the persistent buffers, then every name of
+    a tied group), without the round trip through a checkpoint directory. Collective over the
+    checkpoint group: every rank lists its pieces (`runtime.checkpoint_entries.held_pieces`),
+    each piece goes to rank 0 from the lowest rank holding it (replicas are sent once), rank 0
+    copies them into full tensors on the CPU. Its peak is the full model (as reading the
+    temporary checkpoint back was)."""
+    ck.wait_pending()  # an asynchronous save still writing talks over the same group
+    coords = mesh.coords(ckpt_rank())
+    mine: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    err = None
+    try:
+        skip = _non_persistent_buffers(engine)
+        for names, t, gshape, cuts in held_pieces(engine, mesh, layouts, global_shapes):
+            local, offset = local_chunk(gshape, cuts, mesh.sizes, coords) if gshape else ((), ())
+            if tuple(t.shape) != tuple(local):
+                raise AssertionError(f"{names[0]}: this rank holds shape {tuple(t.shape)} but global shape "
+                                     f"{gshape} cut by {cuts} gives {local}; the layouts do not describe the program")
+            for n in names:
+                if n in skip or (n, offset) in mine:
+                    continue
+                mine[(n, offset)] = t.detach()
+                shapes[n] = (tuple(gshape), t.dtype)
+    except (ValueError, AssertionError) as e:
+        err = f"{type(e).__name__}: {e}"
+    listed = all_gather_object((err, list(mine)))
+    bad = [f"rank {r}: {e}" for r, (e, _keys) in enumerate(listed) if e]
+    if bad:
+        raise ValueError("exporting the state dict: " + "; ".join(bad[:4]))
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    for r, (_e, keys) in enumerate(listed):
+        for k in keys:
+            first.setdefault(tuple((k[0], tuple(k[1]))), r)
+    send = [(k, shapes[k[0]], v.to("cpu")) for k, v in mine.items() if first[k] == ckpt_rank()]
+    parts = [send]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size() if ckpt_rank() == 0 else None
+        dist.gather_object(send, parts, dst=0, group=ckpt_group())
+    if ckpt_rank() != 0:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for (name, offset), (gshape, dt), piece in part:
+            full = out.get(name)
+            if full is None:
+                full = out[name] = torch.empty(gshape, dtype=dt)
+            view = full
+            for d, (o, n) in enumerate(zip(offset, piece.shape)):
+                view = view.narrow(d, o, n)
+            view.copy_(piece)
+    for group in aliases:
+        have = next((n for n in group if n in out), None)
+        if have is not None:
+            for n in group:
+                out.setdefault(n, out[have])
+    return out
+
+
+def _non_persistent_buffers(engine) -> set[str]:
+    """Buffers of the program's modules that their state dict leaves out (a checkpoint does too)."""
+    out: set[str] = set()
+    for e in engines_of(engine):
+        kept = set(e.module.state_dict(keep_vars=True))
+        trained = {n for s in e.slots for n in [s.name, *s.aliases]}
+        out |= {n for n, _b in e.module.named_buffers(remove_duplicate=False) if n not in kept and n not in trained}
+    return out
 
 
 def _keep_like(sd: dict[str, torch.Tensor], like) -> dict[str, torch.Tensor]:
@@ -163,12 +224,6 @@ def _keep_like(sd: dict[str, torch.Tensor], like) -> dict[str, torch.Tensor]:
     if lacking:
         raise ValueError(f"the exported state has no {lacking[:10]}; `like` is not the model that was parallelised")
     return {k: sd[k] for k in keys}
-
-
-def _private_tempdir(token: str) -> str:
-    import tempfile  # noqa: PLC0415
-
-    return tempfile.mkdtemp(prefix=f"autopar-export-{token}-")
 
 
 def import_state_dict(model, source, *, strict: bool = True,

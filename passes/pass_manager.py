@@ -2,9 +2,13 @@
 
 A pass is a function `pass_name(gm, ctx) -> gm` that keeps no state between runs; one that
 returns a new GraphModule returns it compiled (the constructor compiles it: edit the graph
-before constructing the module, or call `recompile()`). The manager runs a list of them in
-order; after each it lints the graph, checks that every node still
-carries its autopar annotation, and records a `PassRecord` (name, milliseconds, node counts
+before constructing the module, or call `recompile()`; a lazy GraphModule, `runtime._torch_compat.
+lazy_graph_module`, compiles at its first call). A graph changed in place is recompiled by the
+manager (for a lazy one, a mark: the code of the rank copy's intermediate graphs is never
+generated, only the final graph's when it first runs). The manager runs a list of them in
+order; after each that changed the graph (and after the first) it lints the graph, checks that
+every node still carries its autopar annotation (an unchanged graph, equal fingerprint, is the one
+verified before), and records a `PassRecord` (name, milliseconds, node counts
 before and after, collectives added by kind). With a dump directory (`AUTOPAR_DUMP=dir` or
 `dump_dir=`), it writes the captured graph and the graph after each pass that changed it as
 numbered, readable, deterministic Python files (see `passes.dump`). When a pass raises, the
@@ -87,8 +91,23 @@ def _fingerprint(gm: fx.GraphModule) -> list:
     fingerprint of hf-llama tiny's 228 nodes). A pass that only annotates (layouts) still counts
     as a change. Equal fingerprints give byte-identical dumps; building one costs a fraction of
     generating the code (~6 ms for those 228 nodes)."""
-    return [(n.name, n.op, str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), _node_name)), ir.get_info(n))
-            for n in gm.graph.nodes]
+    return [(n.name, n.op, _target_name(n.target), repr(fx.node.map_arg((n.args, n.kwargs), _node_name)),
+             ir.get_info(n)) for n in gm.graph.nodes]
+
+
+_TARGET_NAMES: dict = {}  # str() of an op overload formats its name anew each time: a third of a fingerprint
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):  # get_attr / call_module / call_method targets: their own name
+        return target
+    try:
+        name = _TARGET_NAMES.get(target)
+    except TypeError:  # an unhashable target
+        return str(target)
+    if name is None:
+        name = _TARGET_NAMES[target] = str(target)
+    return name
 
 
 def _node_name(a: fx.Node) -> str:
@@ -133,7 +152,8 @@ class PassManager:
                 # split_pipeline's stages)
                 out.recompile()
             gm = out
-            verify(gm, name)
+            if changed or i == 1:  # an unchanged graph is the one verified after the pass before
+                verify(gm, name)
             added = collective_counts(gm) - before_c
             rec = PassRecord(name, ms, before_n, len(gm.graph.nodes), tuple(sorted(added.items())), changed)
             self.records.append(rec)

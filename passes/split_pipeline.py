@@ -8,7 +8,8 @@ component (`layers.3`), other module paths cut at the same depth (`tok_emb`, `no
 three stages). `pipeline_units(gm)` lists the units; the stage search
 (`autopar/search/stages.py`) costs and chooses them.
 
-Each stage becomes one `fx.GraphModule` (`Stage0`, `Stage1` ...), readable with `gm.code`:
+Each stage becomes one `fx.GraphModule` (`Stage0`, `Stage1` ...; lazy: its code is generated at its
+first call or `gm.code` read, runtime/_torch_compat.py), readable with `gm.code`:
   * inputs: stage 0 takes the graph's inputs; stage s > 0 takes, in graph order, the tensors
     computed on earlier stages that stage s or a later one reads (a tensor needed two stages
     on passes through the stage between). Its placeholders carry the producing node's name.
@@ -54,7 +55,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.runtime._torch_compat import op_schema
+from autopar.runtime._torch_compat import lazy_graph_module, op_schema
 
 from . import ir
 from .pass_manager import PassContext
@@ -375,7 +376,7 @@ def split_stages(gm: fx.GraphModule, split_points: Sequence[str]) -> StageSplit:
             o = g.output(tuple(fetch(v) for v in outputs[s]))
             ir.set_info(o, ir.NodeInfo(shape=None, dtype=None, module="", kind="output"))
         g.lint()
-        sm = fx.GraphModule(gm, g, class_name=f"Stage{s}")
+        sm = lazy_graph_module(gm, g, class_name=f"Stage{s}")  # code at first use: other ranks' stages never run
         for t in sorted(targets):
             obj = _fetch_attr(gm, t)
             if isinstance(obj, nn.Parameter):
@@ -488,7 +489,7 @@ def compose(gm: fx.GraphModule, split: StageSplit) -> fx.GraphModule:
     o = top.output(tuple(outs))
     ir.copy_meta(out_node, o)
     top.lint()
-    out = fx.GraphModule({f"stage{s}": m for s, m in enumerate(split.stages)}, top, class_name="PipelineGraph")
+    out = lazy_graph_module({f"stage{s}": m for s, m in enumerate(split.stages)}, top, class_name="PipelineGraph")
     out.meta.update(gm.meta)
     out.meta["autopar_pipeline"] = info
     return out

@@ -104,3 +104,38 @@ def op_schema(target):
 
 
 __all__ += ["op_schema"]
+
+
+# Lazy GraphModules: `fx.GraphModule(...)` and `gm.recompile()` generate and exec the graph's
+# Python code at once (fx `_exec_with_source` and its code generation: 15 % of the ranks' CPU in
+# the test worlds, 2026-11-26), mostly for graphs that never run: the capture memo's copy, the
+# rank copy, each pass's intermediate graph, other pipeline ranks' stages. torch.fx's lazy
+# variant (private, used by inductor) generates it at the first call or `.code` read instead.
+try:
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _Lazy
+except ImportError:  # a torch without it: modules compile eagerly, as before
+    _Lazy = None
+
+
+def lazy_graph_module(root, graph, class_name: str = "GraphModule"):
+    """`fx.GraphModule(root, graph, class_name)` whose code is generated when first needed (its
+    first call, `.code`, printing, pickling); a plain, eagerly compiled GraphModule on a torch
+    without lazy graph modules. `recompile()` on it only marks the code stale."""
+    if _Lazy is None:
+        import torch.fx as fx  # noqa: PLC0415
+
+        return fx.GraphModule(root, graph, class_name)
+    return _Lazy(root, graph, class_name)
+
+
+def compile_graph_modules(module) -> None:
+    """Generate now the code of every lazy GraphModule in `module` (itself and its submodules)
+    whose code is stale. Call it on a module about to run: the lazy forward's first call re-enters
+    `__call__`, so hooks registered on the module would run twice on that call."""
+    if _Lazy is None:
+        return
+    for m in module.modules():
+        if isinstance(m, _Lazy):
+            m.real_recompile()
+
+__all__ += ["lazy_graph_module", "compile_graph_modules"]

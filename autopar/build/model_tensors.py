@@ -2,6 +2,10 @@
 plan gives them, their global shapes, and the groups of names that share one tensor (tied
 weights). Checkpoints, imports and materialization all describe a rank's pieces from it.
 
+`shape_only_copy(gm)` copies a graph with meta tensors in place of its own; `make_shape_only(gm)`
+does the same to `gm` itself (no copy: for a graph nothing else runs, the captured global graph
+once the rank's program is built).
+
 It reads no `node.meta` keys (only the GraphModule's parameters and buffers).
 """
 from __future__ import annotations
@@ -44,3 +48,32 @@ def shape_only_copy(gm):
         return copy.deepcopy(gm, memo)
     except Exception:  # noqa: BLE001 - an attribute that does not copy: the caller keeps the original
         return None
+
+
+def make_shape_only(gm) -> bool:
+    """Swap, in place, every parameter and buffer of `gm`'s modules for a meta tensor of the same
+    shape, dtype and requires_grad (tied names stay one tensor), as `shape_only_copy` makes them,
+    without copying the graph and its modules. Only the modules' references change: the tensors
+    themselves, shared with the user's model and the rank's program, are untouched. For a graph
+    that only describes the model from now on (nothing runs it with real values). Returns False,
+    changing nothing, when the graph calls submodules (`call_module`: they may be the user's own
+    modules, which must keep their tensors; copy with `shape_only_copy` instead)."""
+    import torch  # noqa: PLC0415
+
+    if any(n.op == "call_module" for n in gm.graph.nodes):
+        return False
+
+    made: dict[int, Any] = {}
+
+    def meta_of(t, param: bool):
+        if id(t) not in made:
+            e = torch.empty_like(t, device="meta")
+            made[id(t)] = torch.nn.Parameter(e, requires_grad=t.requires_grad) if param else e
+        return made[id(t)]
+
+    for mod in gm.modules():
+        for store, param in ((mod._parameters, True), (mod._buffers, False)):
+            for n, t in list(store.items()):
+                if t is not None and not t.is_meta:
+                    store[n] = meta_of(t, param)
+    return True

@@ -17,6 +17,12 @@ then takes those peaks instead of estimating the same split again: one estimate 
 pipeline's own (`plan.extra["pipeline"]`: the simulated schedule and the per-pp-rank peaks,
 build/pipeline.py) where the estimate could not cost the pipeline (a split chosen at the cut).
 
+The global graph's estimate depends only on that graph, the plan and the hardware: rank 0
+makes it and every rank whose plan carries the same recompute choice takes it (build/rank0.py),
+reusing the cost analysis the fusion search made (`cost`, build/plan_complete.py); a rank whose
+recompute choice differs, and every rank of a static-batch capture (its own per-rank graph),
+estimates its own.
+
 A prediction failure never stops the build: it is written into plan.predicted["error"].
 Reads no node.meta.
 """
@@ -26,23 +32,45 @@ from typing import Any
 
 import torch.fx as fx
 
+from autopar.build.rank0 import on_rank0
+from autopar.cost import GraphCost
 from autopar.passes.plan import Plan
 from autopar.search.shard_search import batch_is_static
 
 __all__ = ["estimated_pipeline", "predict", "take_pipeline_prediction"]
 
 
-def predict(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, hardware: Any) -> None:
-    """Fill plan.predicted (see the module docstring)."""
+def predict(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, hardware: Any, *,
+            cost: GraphCost | None = None) -> None:
+    """Fill plan.predicted (see the module docstring). Collective under torch.distributed: every
+    rank calls it. `cost`: `cost.analyze(global_gm, hardware)` when the caller has it."""
+    if batch_is_static(global_gm):
+        plan.predicted = _predicted(plan, global_gm, local_gm, hardware, True, None)
+        return
+    mine = _recompute_choice(plan)
+    got = on_rank0(lambda: {"recompute": mine, "predicted": _predicted(plan, global_gm, local_gm, hardware, False,
+                                                                       cost)}, what="the cost prediction")
+    if got["recompute"] == mine:
+        plan.predicted = got["predicted"]
+    else:  # this rank chose another recompute set: its own estimate
+        plan.predicted = _predicted(plan, global_gm, local_gm, hardware, False, cost)
+
+
+def _recompute_choice(plan: Plan) -> Any:
+    return (dict(plan.recompute), plan.extra.get("recompute_save"))
+
+
+def _predicted(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, hardware: Any, static: bool,
+               cost: GraphCost | None) -> dict[str, Any]:
+    """What `predict` writes into plan.predicted."""
     from autopar.cost import estimate as cost_estimate  # noqa: PLC0415
 
     planned = plan.predicted if plan.predicted.get("source") == "planner" else None
     try:
-        static = batch_is_static(global_gm)
         if static:
             est = cost_estimate(local_gm, plan, hardware)
         else:
-            est = cost_estimate(global_gm, plan, hardware, batch_is_global=True)
+            est = cost_estimate(cost if cost is not None else global_gm, plan, hardware, batch_is_global=True)
         predicted = est.summary()
         per_rank = est.memory.get("peak_per_pp_rank")
         if per_rank is not None and (static or plan.mesh.get("ep", 1) > 1 or not plan.schedule):
@@ -58,7 +86,7 @@ def predict(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, har
                     predicted[k] += t
     except Exception as e:  # noqa: BLE001 - a prediction failure must not stop training; it is reported
         predicted = {"error": f"{type(e).__name__}: {e}"}
-    plan.predicted = {**planned, "estimate": predicted} if planned is not None else predicted
+    return {**planned, "estimate": predicted} if planned is not None else predicted
 
 
 def estimated_pipeline(plan: Plan) -> dict | None:

@@ -8,7 +8,8 @@ once it has a plan:
      norm, random-op marks, ZeRO, fusions), through a PassManager (timed, verified, dumped with
      `AUTOPAR_DUMP`);
   2. with a `memory_budget` and no pinned `plan.recompute`, the recompute choice on that graph
-     (build/recompute_plan.py);
+     (build/recompute_plan.py), made on rank 0 for every rank whose rewritten graph has the same
+     structure (`build.rank0.graph_signature`; a rank whose graph differs makes its own);
   3. `plan.predicted` from the cost model (build/predict.py);
   4. `build_program`: the stages and the one `runtime.program.Program`.
 
@@ -35,6 +36,7 @@ import torch.fx as fx
 
 from autopar.build.pipeline import cut_pipeline
 from autopar.build.predict import predict, take_pipeline_prediction
+from autopar.build.rank0 import graph_signature, on_rank0
 from autopar.passes.context_attention import context_attention
 from autopar.passes.context_positions import context_positions
 from autopar.passes.expert import expert
@@ -48,6 +50,7 @@ from autopar.passes.shard import shard
 from autopar.passes.split_batch import split_batch
 from autopar.passes.sync_batchnorm import sync_batchnorm
 from autopar.passes.zero import zero
+from autopar.runtime._torch_compat import compile_graph_modules, lazy_graph_module
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.program import Program
 
@@ -62,32 +65,33 @@ def rank_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A GraphModule with its own copy of `gm`'s graph and module tree but the same tensors:
     passes rewrite it and swap its parameters for shards without touching `gm` (kept as the
     captured global graph) or using memory for a second copy of the weights."""
-    out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    out = lazy_graph_module(gm, copy.deepcopy(gm.graph))  # code generated once the passes are done
     out.meta.update(gm.meta)
     return out
 
 
 def build_rank_program(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *,
                        hardware: Any, memory_budget: float | int | None = None, sync_init: bool = True,
-                       dump_dir: str | None = None, engine_options: dict | None = None
+                       dump_dir: str | None = None, engine_options: dict | None = None,
+                       global_cost: Any = None
                        ) -> tuple[Program, fx.GraphModule, list[fx.GraphModule], list[PassRecord]]:
     """Steps 1-4 of the module docstring. Returns (program, this rank's rewritten graph, the
-    pipeline's stage graphs (empty without pp), the pass records)."""
+    pipeline's stage graphs (empty without pp), the pass records). `global_cost`: the cost
+    analysis of `global_gm` when the caller made one (build/plan_complete.py), for the prediction."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
                       options={"device": mesh.device})
     pm = PassManager(list(RANK_PASSES), dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins
-        from autopar.build.recompute_plan import plan_loss, plan_recompute  # noqa: PLC0415
-
-        _modes, rec = plan_recompute(local_gm, memory_budget, hardware, loss=plan_loss(global_gm, plan, hardware))
-        plan.recompute, plan.extra["recompute_save"] = rec.modes, rec.save
-        plan.notes.append(f"recompute for memory_budget={memory_budget!r}: "
-                          + (", ".join(f"{k} {v}" for k, v in rec.modes.items() if v != "none") or "nothing")
-                          + f"; peak {rec.predicted_peak / 2**20:.1f} MiB of {rec.budget_bytes / 2**20:.1f}, "
-                          f"recompute {rec.recompute_s * 1e3:.2f} ms, gap {rec.solver['gap']:.1%}")
-    predict(plan, global_gm, local_gm, hardware)  # before recompute (regions are opaque)
+        sig = graph_signature(local_gm)
+        got = on_rank0(lambda: _choose_recompute(global_gm, local_gm, plan, hardware, memory_budget, sig),
+                       what="the recompute choice")
+        if got["signature"] != sig:  # this rank's graph differs from rank 0's: its own choice
+            got = _choose_recompute(global_gm, local_gm, plan, hardware, memory_budget, sig)
+        plan.recompute, plan.extra["recompute_save"] = got["modes"], got["save"]
+        plan.notes.append(got["note"])
+    predict(plan, global_gm, local_gm, hardware, cost=global_cost)  # before recompute (regions are opaque)
     options = {"model_parallel": {name: tuple(a for a, p in lay.axes if a != plan.dp_axis and
                                               type(p).__name__ == "Shard")
                                   for name, lay in plan.param_layouts.items()}, **(engine_options or {})}
@@ -132,6 +136,8 @@ def build_program(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pla
     for s in mine:
         graphs[s] = _recompute_stage(graphs[s], plan, mesh, rank, s if pipeline else None, dump_dir, records)
     stages = {s: graphs[s] for s in mine}
+    for g in stages.values():  # lazy graphs (rank_copy, the cut): their code once, before hooks wrap them
+        compile_graph_modules(g)
     program = Program(stages, mesh, dp_axis=plan.dp_axis, cp_axis=plan.extra.get("context", {}).get("axis"),
                       ep_axis=_ep_axis(plan, mesh),
                       expert_params=sorted(n for m in stages.values() for n, _ in m.named_parameters() if n in experts),
@@ -166,6 +172,20 @@ def _recompute_stage(gm: fx.GraphModule, plan: Plan, mesh: Mesh, rank: int, stag
     out = rpm.run(gm, ctx, tag=f"rank{rank}_recompute" if stage is None else f"rank{rank}_stage{stage}_recompute")
     records += rpm.records
     return out
+
+
+def _choose_recompute(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan, hardware: Any,
+                      memory_budget: float | int, signature: str) -> dict[str, Any]:
+    """The recompute plan for `memory_budget` on this rank's rewritten graph, as plain data (rank 0
+    computes it for every rank whose graph has the same `signature`)."""
+    from autopar.build.recompute_plan import plan_loss, plan_recompute  # noqa: PLC0415
+
+    _modes, rec = plan_recompute(local_gm, memory_budget, hardware, loss=plan_loss(global_gm, plan, hardware))
+    note = (f"recompute for memory_budget={memory_budget!r}: "
+            + (", ".join(f"{k} {v}" for k, v in rec.modes.items() if v != "none") or "nothing")
+            + f"; peak {rec.predicted_peak / 2**20:.1f} MiB of {rec.budget_bytes / 2**20:.1f}, "
+            f"recompute {rec.recompute_s * 1e3:.2f} ms, gap {rec.solver['gap']:.1%}")
+    return {"signature": signature, "modes": dict(rec.modes), "save": rec.save, "note": note}
 
 
 def _ep_axis(plan: Plan, mesh: Mesh) -> str | None:
