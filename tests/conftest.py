@@ -32,6 +32,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import harness  # noqa: E402  (registers the fork server's imports before any world starts)
+from autopar.runtime.launch import preload_in_fork_server
+
+import autopar
+
+# autopar/__init__.py loads its public names on first use: load them here (as importing any autopar
+# module did before), so that ranks forked from this process inherit them instead of each importing
+# autopar.api, DCP and the planner's floors again (~1 CPU-s a rank); a fork server imports them too
+autopar.parallelize  # noqa: B018
+preload_in_fork_server("autopar.api", "autopar.checkpoint_api")
 
 _DIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist") + os.sep
 

@@ -51,7 +51,6 @@ def cmd_capture(a) -> int:
     return 0
 
 
-
 # ------------------------------------------------------------------------ shared helpers
 EXAMPLES = {
     "plan": """examples:
@@ -138,11 +137,12 @@ def _add_mesh(p: argparse.ArgumentParser, required: bool = True) -> None:
 
 
 def _add_shape(p: argparse.ArgumentParser, hardware: str | None) -> None:
-    from autopar.cost.hardware import profile_names
+    from importlib.util import find_spec  # cost.hardware.profile_names(), not running autopar.cost (~1 CPU-s)
 
+    where = os.path.join(find_spec("autopar.cost").submodule_search_locations[0], "profiles")
+    shipped = sorted(f[:-5] for f in os.listdir(where) if f.endswith(".json"))
     p.add_argument("--hardware", default=hardware, metavar="PROFILE",
-                   help=f"hardware profile name or .json file (default {hardware}); shipped: "
-                        + " ".join(profile_names()))
+                   help=f"hardware profile name or .json file (default {hardware}); shipped: " + " ".join(shipped))
     p.add_argument("--batch", type=int, help="global batch size (default: 8, or the world size when larger)")
     p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
 

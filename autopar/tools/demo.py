@@ -62,6 +62,7 @@ def cmd_demo(a) -> int:
     if a.batch % a.world_size:
         print(f"error: --batch {a.batch} does not divide by --world-size {a.world_size}", file=sys.stderr)
         return 2
+    from autopar import parallelize  # noqa: F401 - autopar's public names load on first use: here, not in each rank
     t0 = time.perf_counter()
     results = run_world(a.world_size, _demo_rank, a.model, a.steps, a.batch, a.out, a.zero_stage)
     t_par = time.perf_counter() - t0

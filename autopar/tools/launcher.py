@@ -72,6 +72,7 @@ def launch_job(job: dict[str, Any], nproc: int, *, job_path: Path, log_path: Pat
     progress = Path(job["progress"]) if job.get("progress") else None
     pos = progress.stat().st_size if progress is not None and progress.exists() else 0
     if launcher == "fork":
+        from autopar import parallelize  # noqa: F401 - autopar's public names load on first use: here, not per rank
         from autopar.runtime.launch import WorldError, run_world
         from autopar.tools.worker import forked
 

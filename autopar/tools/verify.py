@@ -154,6 +154,7 @@ def verify(model_text: str, plan: Plan, *, batch: int | None = None, seq: int | 
         raise ValueError(f"--steps must be >= 1, got {steps}")
     batch = small_batch(plan, batch)
     seq = seq if seq is not None else (min(src.default_seq, 16) if src.default_seq else None)
+    from autopar import parallelize  # noqa: F401 - autopar's public names load on first use: here, not in each rank
     t0 = time.perf_counter()
     results = run_world(ws, _rank, model_text, plan.to_json(), batch, seq, steps, weights)
     ref_losses, ref_params = _reference(model_text, batch, seq, steps, weights)

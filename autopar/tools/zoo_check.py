@@ -218,6 +218,7 @@ def parity(name: str, meshes=None, dump_root: str | None = None, timeout_s: floa
     if why:
         raise zoo.RowUnavailable(f"{name}: {why}")
     tol = TOLERANCES[row.dtype]
+    from autopar import parallelize  # noqa: F401 - autopar's public names load on first use: here, not in each rank
     ref = _reference(name, style)
     todo = list(meshes if meshes is not None else row.meshes)
     also_meta = meshes is None  # every mesh of the row also runs from a meta build, in the same world

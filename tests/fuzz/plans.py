@@ -431,6 +431,7 @@ def run_plans(plans: list[dict], *, per_world: int = 12, plan_timeout_s: float =
     "seconds"}. `on_result(record)` is called as each is known."""
     from harness import WorldError, warm_parent, world  # noqa: PLC0415
 
+    from autopar import parallelize  # noqa: F401, PLC0415 - the public names load on first use: here, not per rank
     warm_parent()
     records: dict[int, dict] = {}
     pending = list(plans)
