@@ -136,7 +136,18 @@ def evaluate(x: Num, values: Mapping[sympy.Symbol, int]) -> float:
     """The number `x` stands for at `values` (ints pass through)."""
     if not isinstance(x, sympy.Basic):
         return x
-    return _evaluate(x, tuple(sorted(((str(k), v) for k, v in values.items()))))
+    items = tuple(values.items())
+    key = _VALUE_KEYS.get(items)
+    if key is None:  # str(Symbol) runs sympy's printer (~10 us): once per distinct sizes, not per call
+        if len(_VALUE_KEYS) > 4096:
+            _VALUE_KEYS.clear()
+        key = _VALUE_KEYS[items] = tuple(sorted((str(k), v) for k, v in items))
+    return _evaluate(x, key)
+
+
+# the items of a `values` mapping -> _evaluate's key (names sorted); symbols hash by their cached
+# hash, so this costs a tuple per call instead of printing every symbol
+_VALUE_KEYS: dict[tuple, tuple[tuple[str, int], ...]] = {}
 
 
 @lru_cache(maxsize=65536)

@@ -5,7 +5,8 @@ activations and the stage input, the recompute savings and time of whole blocks,
 with a parameter read on two stages counted on both, gradient buffers, optimizer temporaries)
 and splits it into S = pp x v stages: an exact min-max DP over the unit boundaries (vectorised
 over (first, last) unit pairs; for long chains in many stages on a band of stage lengths,
-certified or redone in full), then among the splits within the optimal bottleneck the one with
+certified or redone in full; where pins fix every boundary, that split's stages alone are costed,
+the DP's answer without its table), then among the splits within the optimal bottleneck the one with
 the least sum of squared stage times, as `search.stages.best_split`. A stage's time includes the
 recomputation it needs to fit its memory: whole blocks (`layers.N`) fully recomputed, as few as
 fit (the recompute budget per stage; blocks of one range are treated as alike in the DP, which
@@ -54,10 +55,7 @@ class SplitChain:
         self.PRT = np.concatenate([z, np.cumsum(rc_time)])
         self.PB = np.concatenate([z, np.cumsum(blocks * (rc_save > 0))])
         self.PTR = np.concatenate([z, np.cumsum(trans)])
-        self.cat_prefix = {k: np.concatenate([z, np.cumsum(v)]) for k, v in st.cat.items()}
-        own = sum(st.cat.values())
-        self.PS = np.concatenate([z, np.cumsum(own)])
-        self.PAD = np.concatenate([z, np.cumsum(st.adam_tmp)])
+        self.cat_prefix, self.PS, self.PAD = st.prefix_sums()
         self.shared = st.shared
         self.cross_in = np.concatenate([[0.0], cross, [0.0]])  # index i: bytes into unit i (i = 0 .. L)
         self.hop = np.concatenate([[0.0], hop, [0.0]])  # index i: p2p at the boundary before unit i
@@ -136,6 +134,9 @@ class SplitChain:
         band allows is as fast as its bottleneck (a longer stage could not be the bottleneck's
         equal), and otherwise the full DP runs."""
         L = self.L
+        cuts = sorted({p for p in pins if p > 0})
+        if len(cuts) == S - 1 and S > 1:  # the pins are the split: cost its S stages only, no DP
+            return self._pinned(S, k_s, s2r, limit, minimise, [0] + cuts, opt_limit)
         W = 2 * (-(-L // S)) + 3
         if minimise == "time" and not pins and 3 * W < 2 * (L + 1):
             J = np.arange(L + 1)[:, None]
@@ -157,6 +158,16 @@ class SplitChain:
             valid &= inner <= 0
         got = self._dp(S, k_s, s2r, limit, minimise, I, J, valid, opt_limit)
         return None if got is None else got[0]
+
+    def _pinned(self, S, k_s, s2r, limit, minimise, starts, opt_limit=None) -> list[int] | None:
+        """The one split S - 1 pins allow (a pin at unit 0 constrains nothing): the DP's answer
+        when each of its S stages fits, else None, without the (L + 1)^2 table."""
+        I = np.array(starts)
+        J = np.array(starts[1:] + [self.L])
+        mx = self._arrays(I, J)
+        costs = self._costs(mx, np.ones(S, dtype=bool), S, k_s, s2r, limit, minimise, I, J,
+                            limit if opt_limit is None else opt_limit)
+        return starts if all(math.isfinite(costs[s][s]) for s in range(S)) else None
 
     def _dp(self, S, k_s, s2r, limit, minimise, I, J, valid, opt_limit=None):
         """The two DPs over arrays indexed [end j, option]: the least bottleneck, then among

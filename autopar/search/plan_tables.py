@@ -119,6 +119,17 @@ class UnitStates:
     host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
     param_grad: np.ndarray | None = None  # per parameter (gc.params order): its gradient in backward, masters' aside
 
+    def prefix_sums(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """Prefix sums over the units (leading 0) per category, of all, and of the optimizer
+        temporary, for every split (`search.plan_split`): once, as the table never changes."""
+        hit = self.__dict__.get("_prefix_memo")
+        if hit is None:
+            z = np.zeros(1)
+            hit = self._prefix_memo = ({k: np.concatenate([z, np.cumsum(v)]) for k, v in self.cat.items()},
+                                       np.concatenate([z, np.cumsum(sum(self.cat.values()))]),
+                                       np.concatenate([z, np.cumsum(self.adam_tmp)]))
+        return hit
+
 
 class PlanTables(ContextTables, RankTables):
     """The per-graph tables of `plan_cost.PlanCostModel` (see the module docstring), each
@@ -179,6 +190,12 @@ class PlanTables(ContextTables, RankTables):
 
     def tokens_per_row(self) -> tuple[float, str]:
         """Tokens in one row of the batch ("tokens") for a token model, else (1, "samples")."""
+        hit = self.__dict__.get("_tokens_per_row_memo")
+        if hit is None:  # the placeholders do not change: read them once per model
+            hit = self._tokens_per_row_memo = self._read_tokens_per_row()
+        return hit
+
+    def _read_tokens_per_row(self) -> tuple[float, str]:
         for n in self.gm.graph.nodes:
             v = n.meta.get("val")
             if n.op == "placeholder" and isinstance(v, torch.Tensor):

@@ -250,6 +250,7 @@ class _Search:
         self.stats = {"candidates": 0, "evaluated": 0, "pruned_bound": 0, "no_fit": 0, "ilp_failed": []}
         self.bad_tp: dict[int, str] = {}
         self.one_micro = one_micro_batch(self.model, support)  # MoE aux losses over the global batch
+        self._fusions: dict[int, list[str]] = {}  # rows split -> planned fusions (write_plan per candidate)
 
     # --- bookkeeping per dimension value, for the explanations ----------------------------------
     def _rec(self, c: Candidate) -> Iterable[dict[str, Any]]:
@@ -529,12 +530,17 @@ class _Search:
         analysis of the graph (one `cost.analyze`, not a second)."""
         from autopar.search.fusion import plan_fusions  # noqa: PLC0415
 
+        split = c.dp * c.ep * c.micro
+        hit = self._fusions.get(split)  # the choice depends on the graph and the rows per rank only
+        if hit is not None:
+            return list(hit)
         try:
-            names, _ = plan_fusions(self.gm, self.hw, batch_split=c.dp * c.ep * c.micro, gc=self.model.gc)
+            names, _ = plan_fusions(self.gm, self.hw, batch_split=split, gc=self.model.gc)
         except Exception as e:  # noqa: BLE001 - an optional inner step: reported, not fatal
             self.notes.append(f"fusion search failed ({type(e).__name__}: {str(e)[:160]}); no fusions planned")
             return []
-        return [str(n) for n in names]
+        self._fusions[split] = [str(n) for n in names]
+        return list(self._fusions[split])
 
 
 _ONE_MICRO = ("the MoE auxiliary losses read router statistics, which moe_aux_stats='global' computes over the "

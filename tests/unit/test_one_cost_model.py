@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost import estimate, load_profile
+from autopar.cost import analyze, estimate, load_profile
 from autopar.models import get
 from autopar.models.zoo import spec as zoo_spec
 from autopar.search.candidate import candidates
@@ -80,13 +80,19 @@ def _agree(gm, hw: str, pins=None, precision=None, world=WORLD, recompute=False)
     s = _Search(gm, prof, world, dict(pins or {}), DEFAULT_HEADROOM * prof.device.memory_bytes, None, 1, "adamw",
                 dict(RUNTIME_SUPPORT), None, precision=precision)
     out = []
+    # estimate's own analysis of the graph, once for every candidate (one stage: estimate of the
+    # GraphCost is estimate of the graph; checked on the first candidate)
+    gc = analyze(gm, prof)
     for c in candidates(s.model, world, s.pins, s.support):
         if c.pp > 1 or (c.tp > 1 and not _ilp_solves(s, c.tp)):
             continue
         ev = s._evaluate(c)
         assert ev is not None and ev.feasible and bool(ev.recompute) == recompute, c.label()
         plan = write_plan(s, ev, s._report(ev, [ev], 0.0))
-        e = estimate(gm, plan, hw, batch_is_global=True)
+        e = estimate(gc, plan, hw, batch_is_global=True)
+        if not out:
+            whole = estimate(gm, plan, hw, batch_is_global=True)
+            assert (whole.step_s, whole.memory["peak"]) == (e.step_s, e.memory["peak"]), c.label()
         tp_s = ev.comm["tp"]["time_s"] if c.tp > 1 else 0.0
         if c.tp > 1 and s.model.rows_per_micro(c) == s.model.captured_rows:  # the ILP's own recount
             _close(tp_s, s.model.sharding(c.tp).solution.recounted_comm_s, f"{hw} {c.label()} tp conversions")
@@ -216,12 +222,17 @@ def test_expert_parallel_candidates_with_recomputed_blocks_equal_cost_estimate(g
     s = _Search(gm, prof, SMALL, {"recompute": "full"}, DEFAULT_HEADROOM * prof.device.memory_bytes, None, 1, "adamw",
                 dict(RUNTIME_SUPPORT, recompute_with_ep=True), None)
     done = 0
+    gc = analyze(gm, prof)  # one stage: estimate of the GraphCost is estimate of the graph (`_agree`)
     for c in candidates(s.model, SMALL, s.pins, s.support):
         if c.pp > 1 or c.ep < 2 or (c.tp > 1 and not _ilp_solves(s, c.tp)):
             continue
         ev = s._evaluate(c)
         assert ev is not None and ev.recompute and ev.recompute_s > 0, c.label()
-        e = estimate(gm, write_plan(s, ev, s._report(ev, [ev], 0.0)), hw, batch_is_global=True)
+        plan = write_plan(s, ev, s._report(ev, [ev], 0.0))
+        e = estimate(gc, plan, hw, batch_is_global=True)
+        if not done:
+            whole = estimate(gm, plan, hw, batch_is_global=True)
+            assert (whole.step_s, whole.memory["peak"], whole.recompute_s) == (e.step_s, e.memory["peak"], e.recompute_s)
         tp_s = ev.comm["tp"]["time_s"] if c.tp > 1 else 0.0
         _close(ev.step_s, e.step_s + tp_s, f"{hw} {c.label()} step")
         _close(ev.peak_bytes, e.memory["peak"], f"{hw} {c.label()} peak memory")

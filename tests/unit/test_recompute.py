@@ -300,7 +300,10 @@ def test_fast_solver_is_within_5_percent_of_the_exact_milp(name):
 
 def test_a_2000_node_graph_is_solved_by_the_chain_dp_and_by_the_default_ladder_within_5_percent():
     # the time is printed, not asserted (no timed assertions in tests): benchmarks/bench_recompute.py
-    gm = autopar.capture(_gpt(layers=38, device="meta"), (torch.zeros(4, 32, dtype=torch.long, device="meta"),))
+    # a static batch: torch.export's symbolic shapes cost 60% more CPU to capture and give the
+    # solvers the same problem (38 layers: the same solver reports at either); 39 layers: 2033 nodes
+    gm = autopar.capture(_gpt(layers=39, device="meta"), (torch.zeros(4, 32, dtype=torch.long, device="meta"),),
+                         dynamic_batch=False)
     n = len(analyze(gm, "cpu-gloo").nodes)
     assert n >= 2000
     for method in ("dp", "auto"):
