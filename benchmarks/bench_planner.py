@@ -18,8 +18,8 @@ import time
 
 import torch
 
-# every dimension, also those the runtime cannot carry out yet (recompute inside pipeline
-# stages): these are plans as data, for clusters this machine does not have
+# plans as data, for clusters this machine does not have; recompute inside pipeline stages runs
+# (search.planner.RUNTIME_SUPPORT["recompute_with_pp"] is True): allowed here whatever that flag says
 ALLOW = {"recompute_with_pp": True}
 TARGETS = {"70b": ("llama3-70b", 512, "h100-512", 8192, 1024, 30.0),
            "405b": ("llama3-405b", 16384, None, 8192, 2048, 60.0)}

@@ -101,6 +101,8 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
                   memory_limit: float | None = None):
     """Run the stage search for `plan` (pins = plan.split_points) and record the result in it."""
     from autopar.cost import analyze
+    from autopar.cost.loss_memory import loss_model
+    from autopar.cost.memory import CROSS_ENTROPY
     from autopar.search.stages import count_chain, layer_costs, search_stages
 
     name, pp, v = pipeline_shape(plan)
@@ -122,9 +124,11 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
         memory_limit = math.inf if memory_limit is None else memory_limit
         plan.notes.append(f"the cost model could not cost this graph ({type(e).__name__}: {str(e)[:160]}); "
                           "pipeline stages balanced by node count, memory not checked")
+    # the plan's loss on the last stage: gathered logits' cross-entropy, or the vocab-parallel one
+    loss = loss_model(gc, plan) if gc is not None else CROSS_ENTROPY
     res = search_stages(chain, pp, n_virtual=v, schedule=name, n_microbatches=plan.n_microbatches,
                         memory_limit=math.inf if complete and memory_limit is None else memory_limit,
-                        hardware=hw, mesh=plan.mesh, pins=list(plan.split_points))
+                        hardware=hw, mesh=plan.mesh, pins=list(plan.split_points), loss=loss)
     if not complete:
         plan.split_points = list(res.split_points)
         plan.notes.extend(res.notes)

@@ -72,7 +72,11 @@ functions (tests/unit/test_one_cost_model_pipeline.py). Inside the stages: the t
 conversions the plan's strategies make the shard pass insert (`tp_conversions`, per micro-batch;
 given the captured fx graph: not a GraphCost alone, nor a graph with tp collectives of its own)
 and ZeRO 3's gathers per micro-batch, its reduce-scatters once (`pipeline_time.stage_zero3`).
-Not in a pipeline's step yet: recompute,
+Recompute inside the stages: each stage walks its own checkpoint regions
+(`pipeline_memory.stage_walk`: a micro-batch in flight holds the regions' inputs, its backward one
+region's recomputed activations at a time), its B lengthened by the recomputed forward, and
+under ZB-H1 / ZBV a stage with regions runs one fused backward (`schedule.fuse_backward`);
+`recompute_s` is then the busiest rank's. Not in a pipeline's step yet:
 offload's CPU step (the device step is priced). Measured against whole training steps on a gloo world for every strategy
 (tests/dist/test_memory_truth.py, +-10%).
 
@@ -117,9 +121,9 @@ from .memory import (HELD_OUTPUTS, OptimizerSpec, StateBytes, device_resident, l
 from .expert_comm import ep_events
 from .loss_memory import loss_collectives, loss_model
 from .expert_memory import ep_compute_divisor, ep_memory
-from .pipeline_memory import (StageMemory, forward_peak, pipeline_schedule, rank_peaks, received_grad_bytes,
-                              split_backward, stage_graph, stage_of_nodes)
-from .timeline import regions_for, timeline
+from .pipeline_memory import (StageMemory, pipeline_schedule, rank_peaks, received_grad_bytes, split_backward,
+                              stage_graph, stage_of_nodes, stage_regions, stage_walk)
+from .timeline import Region, regions_for, timeline
 from .node_time import NodeTimer, layout_divisors
 from .symbolic import evaluate
 from .pipeline_time import estimate_pipeline_step
@@ -131,10 +135,11 @@ __all__ = ["estimate", "Estimate", "LayerReport", "CommReport", "NodeTimer"]
 
 
 def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_memory, zero3_transient: float,
-                    notes: list[str]):
+                    notes: list[str], regions: list[Region]):
     """(peak per pipeline rank along its schedule's actions (`pipeline_memory.rank_peaks`: every
     schedule, virtual stages too), the schedule, the stage graphs, their memory terms); None
-    with a note when the stages do not fit the schedule."""
+    with a note when the stages do not fit the schedule. `regions`: the plan's checkpoint
+    regions on `gc` (their stages walk them, `stage_memory`, and run one fused backward)."""
     stage_of = stage_of_nodes(gc, plan.split_points)
     n_stages = max(stage_of) + 1 if stage_of else 1
     try:
@@ -142,15 +147,11 @@ def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_memory, zero3_tran
     except ValueError as e:
         notes.append(f"per-rank pipeline memory not modelled: {e}")
         return None
-    rc = [m for m, v in plan.recompute.items() if v != "none"]
-    if rc:
-        notes.append("recompute inside pipeline stages: per-rank memory costed without it")
-        # under ZB-H1 / ZBV a stage holding checkpoint regions runs its backward whole at its I and
-        # no W (runtime/pipeline.py): price and walk that schedule
-        sched = fuse_backward(sched, {stage_of[k] for k, n in enumerate(gc.nodes)
-                                      if any(not m or n.module == m or n.module.startswith(m + ".") for m in rc)})
     graphs = [stage_graph(gc, stage_of, s) for s in range(n_stages)]
     mems = [stage_memory(g) for g in graphs]
+    # under ZB-H1 / ZBV a stage holding checkpoint regions runs its backward whole at its I and no W
+    # (runtime/pipeline.py): price and walk that schedule (its walk recomputes, `stage_memory`)
+    sched = fuse_backward(sched, {s for s, g in enumerate(graphs) if stage_regions(regions, g)})
     return rank_peaks(sched, mems, zero3_transient), sched, graphs, mems
 
 
@@ -400,6 +401,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     live = liveness(gc, values, param_grad_bytes=pg_bytes, grads_preallocated=n_micro > 1,
                     storage_divisor=mem_div, loss=loss_mem)
     recompute_s = 0.0
+    regions: list[Region] = []
     if any(v != "none" for v in plan.recompute.values()):  # the checkpointed regions' walk replaces the plain one
         try:
             regions = regions_for(gc, dict(plan.recompute), dict(plan.extra.get("recompute_save") or {}))
@@ -410,6 +412,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             bwd_s += recompute_s
             step_s += recompute_s
         except ValueError as e:  # a plan for another graph's node keys: reported, costed without it
+            regions = []
             notes.append(f"recompute could not be modelled on this graph ({e}); every saved tensor is kept")
     def stage_memory(g: GraphCost) -> StageMemory:
         """The memory terms of pipeline stage graph `g` on its rank (`pipeline_memory.StageMemory`)."""
@@ -422,10 +425,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                 row = st.per_param.get(p.name, {})
                 pg[p.key] = row.get("grads", 0) - row.get("master_grads", 0)
         loss = loss_mem if g.outputs is gc.outputs or list(g.outputs) == list(gc.outputs) else HELD_OUTPUTS
-        trace: list = []  # its forward part is the F's peak (`forward_peak`)
-        first = liveness(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss, trace=trace)
-        later = liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=mem_div,
-                         loss=loss).peak if n_micro > 1 else first.peak
+        regs = stage_regions(regions, g)  # its checkpoint regions: walked as they recompute
+        w = stage_walk(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss, later=n_micro > 1,
+                       regions=regs, hardware=hw, compute_divisor=ep_compute_divisor(comp_div, epm.compute))
         trainable_s = [p for p in g.params if p.requires_grad]
         trans = 0.0
         if dp > 1 and zero < 3:  # the stage's flat gradient buckets until its backward ends
@@ -434,15 +436,15 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         d, _host = device_resident({**st.to_dict(), "master_grads": st.master_grads}, plan.offload, zero)
         tmp = opt.step_temporary(st.optimizer - (4 * len(trainable_s) if opt.step_tensor else 0), hw.device.kind)
         return StageMemory(persistent=d["params"] + d["master"] + d["optimizer"] + d["buffers"], grads=d["grads"],
-                           walk_grads=float(first.param_grads), first=first.peak, later=later,
-                           held=first.forward_end, inputs=first.inputs, transient=trans,
+                           walk_grads=w.walk_grads, first=w.first, later=w.later,
+                           held=w.held, inputs=w.inputs, transient=trans,
                            step_temp=0.0 if plan.offload else tmp,
                            opt_bytes=2 * (st.master + st.optimizer) + st.params / (dp if zero in (1, 2) else 1)
                            + st.grads if trainable_s else 0.0,
                            split=split_backward(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss)
-                           if g.nodes[0].index > 0 else None,  # stage 0: its W is its whole backward
+                           if g.nodes[0].index > 0 and not regs else None,  # stage 0: W is its whole backward
                            out_grads=received_grad_bytes(g, values, mem_div) if loss is HELD_OUTPUTS else 0.0,
-                           fwd_peak=forward_peak(g, values, storage_divisor=mem_div, loss=loss, trace=trace))
+                           fwd_peak=w.fwd_peak, recompute_s=w.recompute_s)
 
     # offload: masters (at ZeRO-3 the shards themselves), their gradients and the states on the CPU
     dev, offloaded = device_resident({**states.to_dict(), "master_grads": states.master_grads}, plan.offload, zero)
@@ -458,7 +460,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
               "offloaded": float(offloaded)}
     pp = mesh.get("pp", 1)
     if pp > 1 and plan.split_points:  # per pipeline rank: its stage's states and walk
-        got = _pipeline_peaks(gc, plan, pp, stage_memory, transient if dp > 1 and zero == 3 else 0.0, notes)
+        got = _pipeline_peaks(gc, plan, pp, stage_memory, transient if dp > 1 and zero == 3 else 0.0, notes, regions)
         if got:
             memory["peak_per_pp_rank"] = [float(x) for x in got[0]]
             memory["peak"] = peak = float(max(got[0]))
@@ -470,6 +472,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                 tp_node=node_tp_seconds(gm, gc, plan, values, links, hw.kernel_overhead_s)
                 if isinstance(gm, fx.GraphModule) and not any(cm.axis == "tp" for n in gc.nodes for cm in n.cost.comm)
                 else None)
+            if regions:  # what the busiest rank's stages recompute, every micro-batch
+                recompute_s = n_micro * max(sum(got[3][s].recompute_s for s in got[1].stages_of(r))
+                                            for r in range(got[1].n_ranks))
             notes.append(f"pipeline: {got[1].name} simulated with per-stage seconds {[f'{x:.3g}' for x in stage_s]}, "
                          f"bubble {bubble:.1%}")
     memory["headroom"] = memory["capacity"] - memory["peak"]

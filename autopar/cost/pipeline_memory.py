@@ -29,6 +29,16 @@ the rank's stages' (a parameter read on two stages is held by both, as split_pip
 it). The other two points are estimate's: the end of backward (states, gradients, the flat
 gradient buffers, the inputs) and the optimizer step (its temporaries).
 
+Recompute inside a stage (`Plan.recompute`): `stage_regions` cuts the plan's checkpoint regions
+(`cost.timeline.regions_for` on the whole graph) to a stage's nodes, and `stage_walk` walks the
+stage with them (`cost.timeline`): a micro-batch in flight holds the regions' inputs (and a
+selective region's cached outputs), not their activations (`held`); its backward recomputes one
+region at a time (the transient in `first` / `later`), and the recomputed forward's seconds
+(`recompute_s`) lengthen the stage's B (`cost.pipeline_time`). Under ZB-H1 / ZBV such a stage runs
+its backward whole at its I (`cost.schedule.fuse_backward`), so its `StageMemory.split` is None.
+Without regions `stage_walk` is the `memory.liveness` walk, as before. Both `cost.estimate` and the
+planner (`search.plan_pipeline_memory`) build their stage terms with `stage_walk`.
+
 Reads no node.meta (a GraphCost only). Guarantees: the stages partition the nodes in order;
 with no split points there is one stage, the graph itself.
 """
@@ -36,11 +46,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .graph import GraphCost, Storage
+from .memory import LossModel, liveness
 from .schedule import Schedule, small_schedule, walk_peaks
 from .split_backward_memory import SplitBackward, forward_peak, received_grad_bytes, split_backward
+from .timeline import Region, timeline
 
 
 def _inside(module: str, unit: str) -> bool:
@@ -155,6 +167,61 @@ class StageMemory:
     split: SplitBackward | None = None  # ZB-H1 / ZBV: its I and W (None: stage 0, whose W is a full backward)
     out_grads: float = 0.0  # the gradients it receives for its outputs (0 on the last stage)
     fwd_peak: float | None = None  # the most a micro-batch holds during its forward (None: `first`)
+    recompute_s: float = 0.0  # seconds its backward recomputes per micro-batch (its checkpoint regions)
+
+
+def stage_regions(regions: Sequence[Region], g: GraphCost) -> list[Region]:
+    """The checkpoint regions `regions` (node indices of the whole graph) cut to the nodes of stage
+    graph `g`; a region with no node there is dropped."""
+    if not g.nodes:
+        return []
+    lo, hi = g.nodes[0].index, g.nodes[-1].index + 1
+    out = []
+    for r in regions:
+        nodes = frozenset(i for i in r.nodes if lo <= i < hi)
+        if nodes:
+            out.append(Region(r.name, nodes, frozenset(i for i in r.save if lo <= i < hi)))
+    return out
+
+
+@dataclass(frozen=True)
+class StageWalk:
+    """One micro-batch's walk of a stage graph (bytes; see `StageMemory` for the names):
+    `recompute_s` / `recompute_flops` what its backward recomputes (0 without regions)."""
+
+    first: float
+    later: float
+    held: float
+    inputs: float
+    walk_grads: float
+    fwd_peak: float
+    recompute_s: float = 0.0
+    recompute_flops: float = 0.0
+
+
+def stage_walk(g: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, float] | None,
+               storage_divisor: Mapping[Any, int] | None, loss: LossModel, later: bool,
+               regions: Sequence[Region] = (), hardware: Any = None,
+               compute_divisor: Mapping[int, float] | None = None) -> StageWalk:
+    """The walk of stage graph `g` (see the module docstring): `memory.liveness` without
+    `regions`, `cost.timeline` with them (already cut to the stage, `stage_regions`); `later`:
+    walk again with the gradients preallocated (more than one micro-batch), else `later` is
+    `first`. `hardware`, `compute_divisor`: the recomputed ops' time, as `cost.timeline`."""
+    kw = dict(param_grad_bytes=param_grad_bytes, storage_divisor=storage_divisor, loss=loss)
+    if not regions:
+        trace: list = []  # its forward part is the F's peak (`forward_peak`)
+        one = liveness(g, values, trace=trace, **kw)
+        again = liveness(g, values, grads_preallocated=True, **kw).peak if later else one.peak
+        return StageWalk(first=float(one.peak), later=float(again), held=float(one.forward_end),
+                         inputs=float(one.inputs), walk_grads=float(one.param_grads),
+                         fwd_peak=forward_peak(g, values, storage_divisor=storage_divisor, loss=loss, trace=trace))
+    kw.update(hardware=hardware, compute_divisor=compute_divisor)
+    one = timeline(g, regions, values, keep_points=False, **kw)
+    again = timeline(g, regions, values, grads_preallocated=True, keep_points=False, **kw).peak if later else one.peak
+    return StageWalk(first=float(one.peak), later=float(again), held=float(one.forward_end), inputs=float(one.inputs),
+                     walk_grads=float(one.param_grads), fwd_peak=float(one.forward_peak),
+                     recompute_s=float(one.recompute_s),
+                     recompute_flops=float(one.recompute_flops))
 
 
 def pipeline_schedule(schedule: str | None, pp: int, m: int, n_stages: int) -> Schedule:
@@ -194,5 +261,6 @@ def rank_peaks(schedule: Schedule, stages: Sequence[StageMemory], zero3_transien
     return out
 
 
-__all__ = ["SplitBackward", "StageMemory", "forward_peak", "held_states", "in_flight", "pipeline_schedule",
-           "rank_peaks", "received_grad_bytes", "split_backward", "stage_graph", "stage_of_nodes"]
+__all__ = ["SplitBackward", "StageMemory", "StageWalk", "forward_peak", "held_states", "in_flight",
+           "pipeline_schedule", "rank_peaks", "received_grad_bytes", "split_backward", "stage_graph", "stage_of_nodes",
+           "stage_regions", "stage_walk"]

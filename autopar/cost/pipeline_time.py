@@ -29,6 +29,9 @@ every stage boundary:
                         the stage's F and B; the last backward's extra (its reduce-scatters, which
                         `finish_backward` waits for after the schedule) is added after the rank's
                         last action for its last-finishing stage;
+  recompute             a stage holding checkpoint regions recomputes their forward in every
+                        backward: `StageMemory.recompute_s` (`pipeline_memory.stage_walk`, the
+                        `cost.timeline` walk) on its B, in estimate and in the planner alike;
   add_stage_terms       those per-stage additions, and the tensor-parallel conversions a stage runs
                         per micro-batch (`cost.tp_conversions`, half to F and half to B, as the
                         planner's tables split them), on F and B before the stretch.
@@ -261,12 +264,14 @@ def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, valu
     tensor-parallel collectives in the graph included); its boundary sends what later stages
     read of it (the stage graph's outputs, tp-local bytes) over the pp link; each rank syncs
     its stages' gradients per node (`rank_pieces`, `dp_sync`) and steps its optimizer on its
-    stages' states (`mems[s].opt_bytes` at `mem_speed` bytes/s). `tp_node`: per node the
+    stages' states (`mems[s].opt_bytes` at `mem_speed` bytes/s); a stage's B includes what its
+    checkpoint regions recompute (`mems[s].recompute_s`, `pipeline_memory.stage_walk`). `tp_node`: per node the
     tensor-parallel conversions it consumes per micro-batch (`cost.tp_conversions.node_tp_seconds`);
     `zero3_units`: (gather, reduce-scatter payloads per unit) under ZeRO 3 with dp > 1, walked
     per stage (`stage_zero3`); `algorithm`: the data-parallel collectives' (estimate's)."""
     F_s = [float(sum(fwd_t[n.index] for n in g.nodes)) for g in graphs]
-    B_s = [float(sum(bwd_t[n.index] for n in g.nodes)) for g in graphs]
+    # a stage's checkpoint regions recompute their forward in its backward, every micro-batch
+    B_s = [float(sum(bwd_t[n.index] for n in g.nodes)) + mems[s].recompute_s for s, g in enumerate(graphs)]
     pp_link, dp_link = links.get("pp"), links.get(dp_axis) if dp_axis and dp > 1 else None
     if dp_link is not None:
         dp_link = AlgorithmLink(dp_link, algorithm)

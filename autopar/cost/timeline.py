@@ -27,12 +27,16 @@ backward   as `memory.liveness`: gradient buffers reference-counted through view
 The bytes held at the end of the forward (`Timeline.saved`) are what saved_tensors_hooks
 see (autograd's saved tensors and the regions' inputs) plus what the selective cache keeps.
 Recomputation's FLOPs (FlopCounterMode convention) and time (the hardware profile's roofline,
-`estimate`'s per-node times) are the forward costs of the nodes recomputed.
+`estimate`'s per-node times) are the forward costs of the nodes recomputed; `region_recompute` gives one region's without the
+walk (the planner prices a pipeline stage's recompute per block with it).
 
 For the recompute search the walk can attribute memory to *segments* (consecutive runs of
 nodes): a held storage belongs to the segment of the node whose backward releases it last;
 `Timeline.segments` gives, per segment, the bytes it holds at the end of the forward (`held`)
 and the most memory alive at any point inside it beyond what earlier segments hold (`work`).
+
+A pipeline stage's graph (`pipeline_memory.stage_graph`: a run of the whole graph's nodes, their
+indices kept) walks as it is, with the regions cut to its nodes (`pipeline_memory.stage_regions`).
 
 It reads no `node.meta` (only a GraphCost). Guarantees: without regions `peak`, `forward_end`
 and `param_grads` equal `memory.liveness`'s; every point's `alive` is the sum of its parts.
@@ -105,6 +109,7 @@ class Timeline:
     recompute_s: float  # their time on the hardware profile
     recomputed_nodes: int
     segments: list[SegmentUse] = field(default_factory=list)
+    forward_peak: float = 0.0  # the most alive at a forward point (inputs, each node, the loss's saved tensor)
 
 
 def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | None = None, *,
@@ -119,7 +124,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         values: symbol values (default: the capture's example sizes).
         hardware: profile for recomputation time (default: the one `gc` was analysed with).
         param_grad_bytes, grads_preallocated, storage_divisor, loss: as `memory.liveness`.
-        segment_of: node index -> segment number (non-decreasing); fills `Timeline.segments`.
+        segment_of: per node, in order, its segment number (non-decreasing); fills `Timeline.segments`.
         keep_points: record every point (off: only the totals, faster).
         compute_divisor: node index -> the share of its work one rank does (tensor parallelism:
             `node_time.layout_divisors`), applied to the recomputed ops' time and FLOPs as
@@ -129,7 +134,11 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     vals = gc.values() if values is None else values
     div = storage_divisor or {}
     nodes = gc.nodes
-    n_nodes = len(nodes)
+    # a pipeline stage's graph (`pipeline_memory.stage_graph`) keeps its nodes' indices in the
+    # whole graph: a contiguous run from `base`; `n_nodes` is one past its last index
+    base = nodes[0].index if nodes else 0
+    n_nodes = base + len(nodes)
+    at = {n.index: n for n in nodes}
 
     def ev(x, key=None):
         v = evaluate(x, vals)
@@ -139,7 +148,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     for r in regions:
         for i in r.nodes:
             if i in region_of:
-                raise ValueError(f"regions {region_of[i].name!r} and {r.name!r} both contain node {nodes[i].name}")
+                raise ValueError(f"regions {region_of[i].name!r} and {r.name!r} both contain node {at[i].name}")
             region_of[i] = r
 
     size: dict[Any, float] = {k: ev(st.nbytes, k) for k, st in gc.storages.items() if not st.is_state}
@@ -175,11 +184,11 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     stop: dict[str, int | None] = {}
     for r in regions:
         members = sorted(r.nodes)
-        grad_nodes = [i for i in members if nodes[i].has_grad_fn]
-        savers = [i for i in members if nodes[i].saved]
+        grad_nodes = [i for i in members if at[i].has_grad_fn]
+        savers = [i for i in members if at[i].saved]
         stop[r.name] = savers[-1] if savers else None
-        release = grad_nodes[0] if grad_nodes else 0
-        inputs = {k for i in members for k in nodes[i].uses
+        release = grad_nodes[0] if grad_nodes else base
+        inputs = {k for i in members for k in at[i].uses
                   if k not in state and producer.get(k, -1) not in r.nodes}
         for k in inputs:
             holds[k].append((release, "region_inputs"))
@@ -187,8 +196,8 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         for i in sorted(r.save):
             # handed to the recomputation when it re-runs the node; a node it does not reach
             # (the stop when that saves only inputs, or later) keeps its cache to the region's end
-            reached = st is not None and (i < st or (i == st and stop_runs(nodes[i])))
-            for k in _made_by(nodes[i], new_of, producer):
+            reached = st is not None and (i < st or (i == st and stop_runs(at[i])))
+            for k in _made_by(at[i], new_of, producer):
                 holds[k].append((st, "cached") if reached else (release, "cached_to_end"))
     out_keys = {t.key for t in gc.outputs if not t.is_state}
     for k in out_keys:
@@ -196,12 +205,12 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     priority = ("autograd", "region_inputs", "cached", "cached_to_end", "output")
     reason = {k: min((why for _i, why in rel), key=priority.index) for k, rel in holds.items()}
 
-    seg = list(segment_of) if segment_of is not None else [0] * n_nodes
+    seg = list(segment_of) if segment_of is not None else [0] * len(nodes)
     n_seg = (max(seg) + 1) if seg else 1
     last_seg = seg[-1] if seg else 0
 
     def seg_at(i: int) -> int:
-        return last_seg if i >= n_nodes else seg[i]
+        return last_seg if i >= n_nodes else seg[i - base]
 
     owner: dict[Any, int] = {k: seg_at(min(i for i, _ in rel)) for k, rel in holds.items()}
     release_at: dict[int, list[Any]] = defaultdict(list)
@@ -221,6 +230,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     gb = GradBuffers(gc, ev, param_grad_bytes, grads_preallocated)
     points: list[Point] = []
     peak = [-1.0, "forward", "(inputs)"]
+    fwd_peak = [0.0]
 
     def alloc(k, kind: str) -> None:
         if k in alive:
@@ -255,6 +265,8 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
                 row[s] = w
         if a > peak[0]:
             peak[0], peak[1], peak[2] = a, phase, name
+        if phase == "forward" and a > fwd_peak[0]:
+            fwd_peak[0] = a
         if keep_points:
             points.append(Point(phase, name, s, a, parts["held"], parts["re"], parts["other"],
                                 gb.live + transient, gb.param_grads))
@@ -268,7 +280,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         if st.is_state or k in holds or st.producer < 0:
             continue
         free_at[last_use.get(k, st.producer)].append(k)
-    point("forward", "(inputs)", 0)
+    point("forward", "(inputs)", base)
     for n in nodes:
         i = n.index
         for k in n.new_storages:
@@ -318,7 +330,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
         if r is not None and stop[r.name] == i:
             if timer is None:
                 timer = node_timer(gc, hardware, vals)
-            f, s_, k_ = _recompute(r, i, nodes, new_of, producer, state, graph_inputs, alive, alloc, free,
+            f, s_, k_ = _recompute(r, i, at, new_of, producer, state, graph_inputs, alive, alloc, free,
                                    point, count, re_release, ev, timer, compute_divisor or {})
             re_flops, re_s, re_nodes = re_flops + f, re_s + s_, re_nodes + k_
         if n.has_grad_fn:
@@ -336,7 +348,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     return Timeline(points=points, peak=peak[0], peak_phase=peak[1], peak_node=peak[2], inputs=inputs_bytes,
                     saved=saved, saved_by=saved_by, outputs=outputs, forward_end=forward_end, param_grads=gb.param_grads,
                     recompute_flops=re_flops, recompute_s=re_s, recomputed_nodes=re_nodes,
-                    segments=segments)
+                    segments=segments, forward_peak=fwd_peak[0])
 
 
 # buffers an op makes from its inputs before computing (autograd packs them before the kernel)
@@ -363,7 +375,8 @@ def _made_by(n, new_of, producer) -> list[Any]:
 
 def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_inputs, alive, alloc, free, point,
                count, re_release, ev, timer, cdiv) -> tuple[float, float, int]:
-    """Run region `r`'s nodes up to `stop` again; returns (FLOPs, seconds, nodes recomputed)."""
+    """Run region `r`'s nodes up to `stop` again; returns (FLOPs, seconds, nodes recomputed).
+    `nodes`: node index -> node."""
     seq = [j for j in sorted(r.nodes) if j < stop or (j == stop and stop_runs(nodes[j]))]
     cached = {k for j in r.save if j in seq for k in _made_by(nodes[j], new_of, producer)}
 
@@ -394,8 +407,6 @@ def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_input
     for k, j in last.items():
         if count.get(k, 0) <= 0 and k not in graph_inputs:
             free_at[j].append(k)
-    flops = secs = 0.0
-    done = 0
     for j in seq:
         n = nodes[j]
         for k in _made_by(n, new_of, producer):
@@ -404,18 +415,45 @@ def _recompute(r: Region, stop: int, nodes, new_of, producer, state, graph_input
         point("recompute", n.name, j)
         for k in free_at.get(j, ()):
             free(k)
-        if j not in r.save:
-            d = cdiv.get(n.index, 1)
-            if d == math.inf:  # a node this rank does not run (another ep rank's expert)
-                continue
-            flops += ev(n.cost.flops) / d
-            if n.kind not in ("view", "none"):
-                secs += timer.node(n, d)[0]
-                done += 1
     for k in cached:  # cached outputs not read by the recomputation (after its stop)
         if count.get(k, 0) <= 0 and k not in last and k in alive:
             free(k)
+    return _recompute_cost(r, seq, nodes, ev, timer, cdiv)
+
+
+def _recompute_cost(r: Region, seq: Sequence[int], nodes, ev, timer, cdiv) -> tuple[float, float, int]:
+    """(FLOPs, seconds, nodes) of running region `r`'s nodes `seq` again (its saved nodes hand
+    back their cache; a node another ep rank runs costs nothing here)."""
+    flops = secs = 0.0
+    done = 0
+    for j in seq:
+        n = nodes[j]
+        if j in r.save:
+            continue
+        d = cdiv.get(n.index, 1)
+        if d == math.inf:  # a node this rank does not run (another ep rank's expert)
+            continue
+        flops += ev(n.cost.flops) / d
+        if n.kind not in ("view", "none"):
+            secs += timer.node(n, d)[0]
+            done += 1
     return flops, secs, done
+
+
+def region_recompute(gc: GraphCost, r: Region, values: Mapping | None = None, *, hardware: Any = None,
+                     compute_divisor: Mapping[int, float] | None = None) -> tuple[float, float, int]:
+    """(FLOPs, seconds, nodes) region `r`'s backward recomputes, as `timeline` counts them
+    (`Timeline.recompute_flops`, `recompute_s`, `recomputed_nodes` are these summed over its
+    regions), without walking the memory: the planner prices a stage's recompute per block."""
+    vals = gc.values() if values is None else values
+    at = {n.index: n for n in gc.nodes}
+    savers = [i for i in sorted(r.nodes) if at[i].saved]
+    if not savers:
+        return 0.0, 0.0, 0
+    stop = savers[-1]
+    seq = [j for j in sorted(r.nodes) if j < stop or (j == stop and stop_runs(at[j]))]
+    return _recompute_cost(r, seq, at, lambda x: evaluate(x, vals), node_timer(gc, hardware, vals),
+                           compute_divisor or {})
 
 
 def node_timer(gc: GraphCost, hardware: Any, vals):

@@ -56,12 +56,15 @@ For a candidate:
            buffers (ZeRO 0/1 the flat gradient copy, 2 its padded input and output, 3 two
            gathered units); or the optimizer step's peak (states + one temporary per
            optimizer state element), whichever is larger. That chooses the split; the chosen
-           split's per-rank peaks (pp > 1, no recompute, no ep) are then `cost.estimate`'s walk
+           split's per-rank peaks (pp > 1, no ep; recompute walked as its checkpoint regions run,
+           its recomputed forward on the stage's B) are then `cost.estimate`'s walk
            along each rank's actions (`search.plan_pipeline_memory`), and its step
            `cost.pipeline_time`'s, ZeRO 3 per stage and tp in stages as estimate's (test_one_cost_model_pipeline).
 
 Bounds (`lower_bounds`, `optimistic_bounds` without the ILP, and a split's bound before its
-schedule is simulated) never exceed these predictions; the planner prunes with them.
+schedule is simulated) never exceed these predictions; the planner prunes with them. A pipeline
+split that recomputes is simulated before its stages are walked: when its last action ends past
+the cutoff it is pruned unwalked (its peak then the per-unit model's).
 
 Simplifications (stated so that a reader can weigh predictions): times are per rank and the
 same on every tp/dp rank; stage-boundary transfers send the whole activation (a sequence-
@@ -94,7 +97,7 @@ from autopar.search.candidate import Candidate, Evaluation
 from autopar.search.expert import ep_cost
 from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
 from autopar.search.plan_comm_report import comm_report
-from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks
+from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks, stage_recompute_seconds
 from autopar.search.plan_pipeline_time import zero3_stage_times
 from autopar.search.plan_split import INF, SplitChain, chain_factor, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
@@ -312,8 +315,8 @@ class PlanCostModel(PlanTables):
                 step time. A plan over the memory limit is not simulated either (step = inf).
             memory_only: return once the memory is known (step = inf, nothing timed): what the
                 planner's report needs of a candidate's least memory.
-            walk_retry: a pipeline split that fits on the per-unit model without recompute but
-                not on estimate's walk is evaluated again (once) with the limit lowered by the
+            walk_retry: a pipeline split that fits on the per-unit model (with the recompute it
+                chose) but not on estimate's walk is evaluated again (once) with the limit lowered by the
                 difference, so that recompute is chosen to free it (recompute allowed).
         """
         rows = self.rows_per_micro(c)
@@ -413,6 +416,8 @@ class PlanCostModel(PlanTables):
             if one and chosen:  # estimate's walk of the checkpointed regions: its peak and recompute time
                 rc_peak, rtime = self.rank_recompute(c, rows, tuple(rc_units), st.param_grad)
                 one_act = rc_peak - float(st.total["grads"]) + z3_units
+            elif chosen and (c.ep < 2 or not self.moe_blocks):  # the stage's regions as estimate walks them
+                rtime = stage_recompute_seconds(self, c, rows, [self.unit_names[x] for x in chosen])
             F_s.append(float(F_u[i:j].sum()))
             B_s.append(float(B_u[i:j].sum()) + rtime)
             act_s.append(base_a[s] - saved)
@@ -470,11 +475,23 @@ class PlanCostModel(PlanTables):
             rank_peaks.append(peak)
             rank_cats.append({**cats_r[r], "activations": best, "workspace": ws, "comm_buffers": trans + (fixed - ws),
                               "optimizer_step_temp": adam, "peak": peak})
-        if c.pp > 1 and not rc_units and (c.ep < 2 or not self.moe_blocks):  # estimate's walk of the split
-            walked = pipeline_rank_peaks(self, c, sched, rows, starts, ends, st, chain, trans_u, rank_cats)
+        p2p = [float(hop[starts[s + 1] - 1]) for s in range(S - 1)]
+        sim = None
+        if c.pp > 1 and chosen_all and cutoff is not None and minimise == "time" and not memory_only:
+            # its stages' walk with their checkpoint regions costs most: a schedule that ends past
+            # the cutoff cannot win (more recompute, from a retry, only lengthens it), so not walked
+            sim = simulate_ranks(sched, F_s, B_s, p2p, c.label())
+            if max(sim[0]) >= cutoff:
+                pk = max(rank_peaks)
+                return Evaluation(step_s=max(sim[0]), peak_bytes=pk, memory={"peak": pk, "limit": limit},
+                                  notes=["schedule over the cutoff before the walk (peak: the per-unit model's)"],
+                                  pruned=True, **early)
+        if c.pp > 1 and (c.ep < 2 or not self.moe_blocks):  # estimate's walk of the split, recompute included
+            walked = pipeline_rank_peaks(self, c, sched, rows, starts, ends, st, chain, trans_u, rank_cats,
+                                         frozenset(chosen_all))
             unit_fits = max(rank_peaks) <= limit * (1 + 1e-9)
             if walk_retry and recompute != "none" and unit_fits and max(walked) > limit * (1 + 1e-9):
-                # the per-unit model chose no recompute, the walk is over: recompute what the walk adds
+                # the per-unit model fits (with its recompute), the walk is over: recompute what the walk adds
                 ev = self.evaluate(c, limit - (max(walked) - max(rank_peaks)), pins=pins, recompute=recompute,
                                    minimise=minimise, cutoff=cutoff, memory_only=memory_only, walk_retry=False)
                 return dataclasses.replace(ev, limit_bytes=limit, memory={**ev.memory, "limit": limit})
@@ -495,8 +512,9 @@ class PlanCostModel(PlanTables):
             return Evaluation(step_s=INF, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0, comm={},
                               flops=0.0, mfu=0.0, tokens_per_s=0.0, notes=["over the memory limit"], **common)
         # time: the schedule, then per rank data-parallel sync, the optimizer step
-        p2p = [float(hop[starts[s + 1] - 1]) for s in range(S - 1)]
-        if sched is not None:
+        if sim is not None:
+            ends_r, busy, bubble = sim
+        elif sched is not None:
             ends_r, busy, bubble = simulate_ranks(sched, F_s, B_s, p2p, c.label())
         else:
             ends_r = [m * (F_s[0] + B_s[0])]

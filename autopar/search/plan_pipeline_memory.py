@@ -22,14 +22,24 @@ planner writes, `stage_graph`):
   ZeRO 3      the two gathered units of the rank's whole graph (`plan_rank.zero3_transient`),
               as estimate counts them.
 
-Not modelled here (the planner keeps its per-unit memory): recompute inside stages (estimate
-costs a pipeline without it), expert parallelism (estimate's expert accounting differs), and
-a split whose walk is over the memory limit where the per-unit model fits and recompute is
-allowed (the recompute choice does not use the walk yet: `pipeline_rank_peaks`). A static batch dimension scales the walk linearly with the rows, as
-`search.plan_rank` does.
+Recompute inside stages: the blocks the planner recomputes (whole units, "full") are walked as
+estimate walks the Plan's `recompute`: `cost.pipeline_memory.stage_walk` over the stage's
+checkpoint regions (`cost.timeline.regions_for`, cut by `stage_regions`), a stage with regions
+running one fused backward (no I / W split terms); its recomputed forward's seconds
+(`stage_recompute_seconds`: per block, the seconds that walk counts, `cost.timeline.region_recompute`)
+are what `plan_cost` adds to the stage's B.
+
+Not modelled here (the planner keeps its per-unit memory): expert parallelism (estimate's
+expert accounting differs). The recompute choice itself is made on the per-unit model; where
+that fits and this walk does not, `plan_cost` evaluates again with the limit lowered by the
+difference (its `walk_retry`). A static batch dimension scales the walk linearly with the rows,
+as `search.plan_rank` does.
 
 node.meta: read only through `cost.analyze` (the GraphCost); writes nothing. Deterministic;
-walks are cached on the model per (tp, rows, cp, stage node range, ZeRO, replicas, ep, m > 1).
+walks are cached on the model per (tp, rows, cp, stage node range, ZeRO, replicas, ep, m > 1,
+recomputed units), and an interior stage of repeated blocks shares the walk of any other of the
+same unit structures, recompute and parameter gradients (`_same_as`: the same nodes on the same
+shapes walk alike: the 405B planner's stage walks 3316 -> 175, measured 2026-11-26).
 """
 from __future__ import annotations
 
@@ -37,12 +47,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from autopar.cost.memory import HELD_OUTPUTS, liveness
-from autopar.cost.pipeline_memory import (StageMemory, forward_peak, rank_peaks, received_grad_bytes, split_backward,
-                                          stage_graph, stage_of_nodes)
+from autopar.cost.memory import HELD_OUTPUTS
+from autopar.cost.pipeline_memory import (StageMemory, rank_peaks, received_grad_bytes, split_backward, stage_graph,
+                                          stage_of_nodes, stage_regions, stage_walk)
+from autopar.cost.timeline import region_recompute, regions_for
 from autopar.search.candidate import Candidate
 
-__all__ = ["grads_of", "stage_graph_of", "stage_memories", "pipeline_rank_peaks", "unit_first_nodes"]
+__all__ = ["grads_of", "stage_graph_of", "stage_memories", "stage_recompute_seconds", "pipeline_rank_peaks",
+           "unit_first_nodes"]
 
 
 def unit_first_nodes(model: Any) -> list[int]:
@@ -72,12 +84,44 @@ def stage_graph_of(model: Any, lo: int, hi: int):
     return g
 
 
-def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_grad: np.ndarray) -> tuple:
+def _regions(model: Any, units: tuple[str, ...], g) -> list:
+    """The checkpoint regions of recomputed `units` ("full", as the planner writes them) cut to
+    stage graph `g`; each unit's region on the whole graph cached (one per unit)."""
+    regions = []
+    for name in units:
+        hit = model._split_cache.get(("unit_region", name))
+        if hit is None:
+            hit = model._split_cache[("unit_region", name)] = regions_for(model.gc, {name: "full"})
+        regions += hit
+    return stage_regions(regions, g)
+
+
+def stage_recompute_seconds(model: Any, c: Candidate, rows: int, units: Sequence[str]) -> float:
+    """Seconds per micro-batch a stage recomputes when its `units` are checkpointed: the sum of
+    each unit's region (`cost.timeline.region_recompute`, what the stage's walk counts, without
+    walking), cached per unit."""
+    out = 0.0
+    for name in units:
+        key = ("unit_rc_s", c.tp, rows, c.cp, name)
+        hit = model._split_cache.get(key)
+        if hit is None:
+            (region,) = _regions(model, (name,), model.gc)
+            _f, secs, _n = region_recompute(model.gc, region, model._values(rows, c.cp), hardware=model.hw,
+                                            compute_divisor=model.sharding(c.tp).comp_div)
+            scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
+            hit = model._split_cache[key] = float(secs) * scale
+        out += hit
+    return out
+
+
+def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_grad: np.ndarray,
+                units: tuple[str, ...] = ()) -> tuple:
     """(first peak, later peak, forward end, inputs, walk gradients, the split backward's terms, the
-    gradients received for its outputs, the forward's peak) of the stage holding nodes [lo, hi) of the graph, cached."""
+    gradients received for its outputs, the forward's peak, the recompute seconds) of the stage
+    holding nodes [lo, hi) of the graph with `units` recomputed, cached."""
     z = c.zero if c.replicas > 1 else 0
-    splits = c.schedule in ("zb_h1", "zbv")  # ZB-H1 / ZBV split the backward (I and W)
-    key = ("stage_walk", c.tp, rows, c.cp, lo, hi, z, c.replicas, c.ep, c.micro > 1, splits)
+    splits = c.schedule in ("zb_h1", "zbv") and not units  # ZB-H1 / ZBV split the backward (I and W)
+    key = ("stage_walk", c.tp, rows, c.cp, lo, hi, z, c.replicas, c.ep, c.micro > 1, splits, units)
     hit = model._split_cache.get(key)
     if hit is not None:
         return hit
@@ -89,48 +133,85 @@ def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_gra
     values = model._values(rows, c.cp)
     div = model.sharding(c.tp).mem_div
     loss = model.sharding(c.tp).loss if hi == N else HELD_OUTPUTS  # the last stage's: gathered or vocab-parallel
-    trace: list = []  # its forward part is the F's peak (`forward_peak`)
-    first = liveness(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss, trace=trace)
-    later = liveness(g, values, param_grad_bytes=pg, grads_preallocated=True, storage_divisor=div,
-                     loss=loss).peak if c.micro > 1 else first.peak
+    w = stage_walk(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss, later=c.micro > 1,
+                   regions=_regions(model, units, g), hardware=model.hw, compute_divisor=model.sharding(c.tp).comp_div)
     scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
     split = (split_backward(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss).scaled(scale)
-             if lo > 0 and splits else None)  # stage 0: its W is its whole backward
-    hit = model._split_cache[key] = (float(first.peak) * scale, float(later) * scale, float(first.forward_end) * scale,
-                                     float(first.inputs) * scale, float(first.param_grads), split,
-                                     0.0 if hi == N else received_grad_bytes(g, values, div) * scale,
-                                     forward_peak(g, values, storage_divisor=div, loss=loss, trace=trace) * scale)
+             if lo > 0 and splits else None)  # stage 0: its W is its whole backward; a stage that recomputes: fused
+    hit = model._split_cache[key] = (w.first * scale, w.later * scale, w.held * scale, w.inputs * scale, w.walk_grads,
+                                     split, 0.0 if hi == N else received_grad_bytes(g, values, div) * scale,
+                                     w.fwd_peak * scale, w.recompute_s * scale)
     return hit
 
 
+def _unit_shape(model: Any, tp: int, x: int) -> int:
+    """An id per distinct unit structure at tp degree `tp`: units with equal ids (repeated blocks)
+    have the same ops, output shapes, dtypes, tp storage divisors and saved tensors, node by node,
+    and read parameters of the same shapes."""
+    key = ("unit_shape", tp, x)
+    hit = model._split_cache.get(key)
+    if hit is None:
+        firsts = unit_first_nodes(model)
+        div = model.sharding(tp).mem_div
+        lo, hi = firsts[x], firsts[x + 1]
+        sig = (tuple((n.op, n.kind, tuple((str(t.shape), str(t.dtype), div.get(t.key, 1)) for t in n.outputs),
+                      tuple((str(nb), tag) for _k, nb, tag in n.saved), len(n.grad_inputs), len(n.uses))
+                     for n in model.gc.nodes[lo:hi]),
+               tuple((tuple(p.shape), str(p.dtype), p.requires_grad) for p in model.gc.params
+                     if lo <= p.first_use < hi))
+        ids = model._split_cache.setdefault(("unit_shape_ids", tp), {})
+        hit = model._split_cache[key] = ids.setdefault(sig, len(ids))
+    return hit
+
+
+def _same_as(model: Any, c: Candidate, rows: int, i: int, j: int, rc: tuple[bool, ...], param_grad) -> tuple | None:
+    """A key shared by the interior stages (neither the first nor the last, repeated blocks only) of
+    the same unit structures, recompute and parameter gradients: their walks are equal (the same
+    nodes on the same shapes), so one is walked for all."""
+    if i == 0 or j >= len(model.unit_names) or not all(model.blocks[x] > 0 for x in range(i, j)):
+        return None
+    firsts = unit_first_nodes(model)
+    pg = tuple(float(param_grad[k]) for k, p in enumerate(model.gc.params) if firsts[i] <= p.first_use < firsts[j])
+    return ("stage_walk_same", c.tp, rows, c.cp, c.zero if c.replicas > 1 else 0, c.replicas, c.ep, c.micro > 1,
+            c.schedule in ("zb_h1", "zbv"), tuple(_unit_shape(model, c.tp, x) for x in range(i, j)), rc, pg)
+
+
 def stage_memories(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], st, chain,
-                   trans_u: np.ndarray) -> list[StageMemory]:
+                   trans_u: np.ndarray, recomputed: frozenset[int] = frozenset()) -> list[StageMemory]:
     """Every stage's `StageMemory` of candidate `c` split at unit `starts` (see the module
     docstring); `st`: its `UnitStates`, `chain`: its `SplitChain`, `trans_u`: per-unit
-    gradient buffer bytes."""
+    gradient buffer bytes, `recomputed`: the units recomputed whole."""
     firsts = unit_first_nodes(model)
     out = []
     for i, j in zip(starts, ends):
         cats = chain.categories(i, j)
-        first, later, held, inputs, walk_grads, split, out_grads, fwd_peak = _stage_walk(model, c, rows, firsts[i],
-                                                                                         firsts[j], st.param_grad)
+        units = tuple(model.unit_names[x] for x in range(i, j) if x in recomputed)
+        same = _same_as(model, c, rows, i, j, tuple(x in recomputed for x in range(i, j)), st.param_grad)
+        walk = model._split_cache.get(same) if same is not None else None
+        if walk is None:
+            walk = _stage_walk(model, c, rows, firsts[i], firsts[j], st.param_grad, units)
+            if same is not None:
+                model._split_cache[same] = walk
+        first, later, held, inputs, walk_grads, split, out_grads, fwd_peak, rc_s = walk
         out.append(StageMemory(persistent=cats["params"] + cats["master"] + cats["optimizer"] + cats["buffers"],
                                grads=cats["grads"], walk_grads=walk_grads, first=first, later=later, held=held,
                                inputs=inputs, transient=float(trans_u[i:j].sum()), step_temp=chain.adam_range(i, j),
-                               split=split, out_grads=out_grads, fwd_peak=fwd_peak))
+                               split=split, out_grads=out_grads, fwd_peak=fwd_peak, recompute_s=rc_s))
     return out
 
 
 def pipeline_rank_peaks(model: Any, c: Candidate, sched, rows: int, starts: Sequence[int], ends: Sequence[int], st,
-                        chain, trans_u: np.ndarray, rank_cats: list[dict] | None = None) -> list[float]:
-    """Peak bytes per pipeline rank of `c` split at `starts` under schedule `sched`
+                        chain, trans_u: np.ndarray, rank_cats: list[dict] | None = None,
+                        recomputed: frozenset[int] = frozenset()) -> list[float]:
+    """Peak bytes per pipeline rank of `c` split at `starts` under schedule `sched` (already
+    fused where stages recompute, `cost.schedule.fuse_backward`) with the units `recomputed`
     (`cost.pipeline_memory.rank_peaks`, the function `cost.estimate` calls); written into
     each rank's `rank_cats[r]["peak"]` when given. The recompute choice is still made on the
-    per-unit model; where that model fits without recompute and this walk does not,
+    per-unit model; where that model fits and this walk does not,
     `plan_cost.PlanCostModel.evaluate` evaluates the split again with the limit lowered by the
     difference (its `walk_retry`), so the plan recomputes what the walk adds."""
     z3 = model.zero3_transient(c.tp, c.replicas) if c.zero == 3 and c.replicas > 1 else 0.0
-    peaks = rank_peaks(sched, stage_memories(model, c, rows, starts, ends, st, chain, trans_u), z3)
+    peaks = rank_peaks(sched, stage_memories(model, c, rows, starts, ends, st, chain, trans_u, recomputed), z3)
     for cats, pk in zip(rank_cats or [], peaks):
         cats["peak"] = pk
     return peaks

@@ -9,7 +9,8 @@ W call). A stage holding regions therefore runs its backward whole at its I's pl
 `runtime.pipeline_split.allows_one_backward`); the other stages keep the split. The planner
 may now recompute under those schedules (`RUNTIME_SUPPORT["recompute_with_split_backward"]`)
 and `parallelize` accepts the pair; tests/dist/test_zero_bubble_recompute.py trains it against
-one process.
+one process. The plan it writes predicts what it chose (issue 22, item 6): `plan.predicted`'s
+per-rank peaks, step and recompute seconds are `cost.estimate`'s of that Plan, to 1e-6.
 """
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ import os
 import sys
 
 import pytest
+import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cost_helpers import build  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.cost import estimate  # noqa: E402
 from autopar.passes.plan import Plan  # noqa: E402
 from autopar.passes.recompute import CheckpointRegion, recompute  # noqa: E402
 from autopar.runtime.pipeline_split import allows_one_backward  # noqa: E402
@@ -92,6 +95,20 @@ def _tight(gm, pins) -> float:
     return 0.97 * plan.predicted["peak_bytes"]
 
 
+def _predicted_is_the_estimate(gm, plan) -> None:
+    """plan.predicted reflects the chosen recompute: its per-rank peaks, step and recompute seconds
+    are `cost.estimate`'s of the Plan (which walks the stages' checkpoint regions), to 1e-6."""
+    e = estimate(gm, plan, "cpu-gloo", batch_is_global=True)
+    assert e.recompute_s > 0, e.notes
+    got = plan.predicted
+    for what, a, b in [("peak", got["peak_bytes"], e.memory["peak"]), ("step", got["step_s"], e.step_s),
+                       ("recompute", got["recompute_s"], e.recompute_s)]:
+        torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                                   rtol=1e-6, atol=0.0, msg=lambda m, w=what: f"{plan.schedule} {w}: {m}")
+    torch.testing.assert_close(torch.tensor(got["peak_bytes_per_pp_rank"], dtype=torch.float64),
+                               torch.tensor(e.memory["peak_per_pp_rank"], dtype=torch.float64), rtol=1e-6, atol=0.0)
+
+
 def test_zero_bubble_schedules_recompute_when_memory_demands_it():
     assert RUNTIME_SUPPORT["recompute_with_split_backward"] is True
     gm = _gm()
@@ -108,6 +125,7 @@ def test_zero_bubble_schedules_recompute_when_memory_demands_it():
         assert any(v != "none" for v in plan.recompute.values()), (schedule, plan.recompute)
         assert plan.predicted["peak_bytes"] <= limit * (1 + 1e-9)
         assert math.isfinite(plan.predicted["step_s"])
+        _predicted_is_the_estimate(gm, plan)
         clear_cache()  # pinned on, the same request carries it out too
         pinned, _ = plan_for(gm, 2, "cpu-gloo", pins={**pins, "recompute": "full"})
         assert pinned.schedule == schedule and any(v == "full" for v in pinned.recompute.values()), schedule
