@@ -1,6 +1,6 @@
 """autopar's cost model against published training figures of large public runs, row by row.
 
-    python benchmarks/bench_published.py [--only ROW] [--no-planner] [--breakdown]
+    python benchmarks/bench_published.py [--only ROW] [--no-planner] [--breakdown] [--attention unfused]
 
 For each row the published model is built on the meta device, captured (`autopar.capture`),
 and its PUBLISHED parallel configuration is costed by the joint planner with every published
@@ -17,29 +17,36 @@ benchmarks/bench_planner.py calls it) and its own plan and prediction are printe
 Rows and sources (the figures are copied from these; nothing is estimated here):
 
 * megatron-22b/175b/530b/1t -- Korthikanti et al. 2022, "Reducing Activation Recomputation in
-  Large Transformer Models" (arXiv 2205.05198): configurations (h, heads, layers, TP, PP,
-  GPUs, global batch; seq 2048, micro-batch 1 assumed) and iteration times with sequence
-  parallelism + selective recompute (1.10 s, 13.75 s, 37.83 s, 71.49 s), A100 80GB.
-  The figures are those given in the project's issue 22; the paper itself was not retrievable
-  with this session's search tools, so they are not re-checked against the table here.
+  Large Transformer Models" (arXiv 2205.05198), A100 80GB, seq 2048: Table 3 (h, heads, layers,
+  TP, PP, GPUs, global batch, micro-batch: 4 for 22B, whose global batch is 4; 1 for the
+  others), Table 5 (iteration times with sequence parallelism + selective recompute: 1.10 s,
+  13.75 s, 37.83 s, 71.49 s), Table 4 (22B, one layer's forward / backward: 7.2 / 11.8 ms with
+  sequence parallelism and no recompute, 7.2 / 13.1 ms with selective recompute too; the
+  `layer` line of --breakdown). The paper itself was not retrievable with this session's tools;
+  the figures are those of issue 22 and of two public transcriptions of the paper's tables found
+  by the corpus search (Tables 4 and 5 in both, Table 3 in one), which agree with them.
   Model: a GPT-3 block written below (`GPT3`: learned positions, pre-LayerNorm, fused QKV with
-  biases, causal attention with dropout 0.1, 4h GeLU MLP, tied 51,200-token head: Megatron's
+  biases laid out per head as Megatron's ParallelAttention lays it out, causal attention with
+  dropout 0.1, 4h GeLU MLP, tied 51,200-token head: Megatron's
   padded GPT-2 vocabulary, which the paper's table does not list), not the Llama-style
   `autopar.models.gpt` (RMSNorm/SwiGLU/RoPE), which is not the paper's model.
-  Pins: dp = 1 (GPUs = tp x pp), ZeRO 0 (dp = 1), micro-batches = global batch (micro-batch
-  1), schedule 1f1b (Megatron's non-interleaved default; Table 3 names no interleaving),
-  recompute "none": selective recompute in the paper exists to drop the s^2 attention
-  scores, which the profile's flash-attention kernel never stores (and whose backward
-  recomputes them), so no block is recomputed in full. This is the program costed, not the
-  one the paper ran: Megatron-LM then computed attention unfused (baddbmm, fused
+  Pins: dp = 1 (GPUs = tp x pp), ZeRO 0 (dp = 1), micro-batches = global batch / Table 3's
+  micro-batch (22B: one micro-batch of 4), schedule 1f1b (Megatron's non-interleaved default;
+  Table 3 names no interleaving), recompute "none": selective recompute in the paper exists to
+  drop the s^2 attention scores, which the profile's flash-attention kernel never stores (and
+  whose backward recomputes them), so no block is recomputed in full. This is the program
+  costed, not the one the paper ran: Megatron-LM then computed attention unfused (baddbmm, fused
   scale-mask-softmax, dropout, bmm: `CoreAttention` in megatron/model/transformer.py at
   NVIDIA/Megatron-LM cfd2e21607, 2022-04-28, the selective-recompute commit, which recomputes
-  that core in backward); FlashAttention entered Megatron-LM at d693034ecf (2022-12-08). The
-  planner pins recompute per block only ("full" / "none"), so the paper's per-op selective
-  recompute cannot be pinned; costed with unfused 16-bit attention and no recompute
-  (kernels sdpa "math", sdpa_math_upcast false), 22B predicts 1.021 s (-7.2 %) and 175B
-  14.66 s (+6.6 %) against 0.962 s and 12.50 s with flash attention (2026-11-26): that
-  choice alone moves the two rows in opposite directions, and is not made here. The tied embedding across pipeline
+  that core in backward); FlashAttention entered Megatron-LM at d693034ecf (2022-12-08).
+  `--attention unfused` costs that core (kernels sdpa "math", no fp32 upcast; the score
+  matrix is then kept, so 22B is OVER); the planner pins recompute per block only ("full" /
+  "none"), so the replay of the core that selective recompute adds (Table 4: 13.1 - 11.8 =
+  1.3 ms per 22B layer) is priced in neither mode. 2026-11-26 (helper-55), 22B: flash 0.822 s,
+  one layer 5.84 / 9.97 ms against Table 4's 7.2 / 11.8; unfused 0.936 s, one layer 7.03 /
+  11.14 ms. Unfused is not the default: with the scores kept, the pipeline rows' stages are
+  split unevenly to fit (175B 9-16 units per stage, +6.7 %; 530B 2-5, +17.0 %; 1T OVER, -5.7 %),
+  a memory effect the recomputing run did not have. The tied embedding across pipeline
   stages with bf16 parameters is allowed (`ALLOW["zero_with_tied_pp"]`): Megatron runs it,
   autopar's runtime does not yet, and the planner otherwise offers no such candidate.
   Loss: vocabulary-parallel (`Row.loss_parallel`, the planner's "loss_parallel" pin): Megatron-LM
@@ -149,7 +156,8 @@ import torch.nn.functional as F
 
 # plans as data for clusters this machine does not have: recompute inside pipeline stages, and
 # a tied embedding / output layer across stages with 16-bit parameters (Megatron all-reduces
-# the two copies' gradients between the first and last stage; autopar's runtime cannot yet)
+# the two copies' gradients between the first and last stage); the runtime runs both today
+# (search.planner.RUNTIME_SUPPORT: both True), allowed here whatever those flags say
 ALLOW = {"recompute_with_pp": True, "zero_with_tied_pp": True}
 UNLIMITED = 2.0**60  # bytes: a memory limit no plan reaches (to price a plan the cost model says cannot fit)
 
@@ -169,7 +177,10 @@ class GPT3Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, H)
         B, S, H = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, self.a, H // self.a).permute(2, 0, 3, 1, 4)  # (B, a, S, H/a)
+        # Megatron's fused QKV output is laid out per head, [a, 3, H/a] (ParallelAttention: "[sq, b, (np * 3 *
+        # hn)] --> [sq, b, np, 3 * hn]", then split_tensor_along_last_dim), so a column shard of it on tp holds
+        # whole heads' q, k and v; a [3, a, H/a] layout would cut across q | k | v and cost all-to-alls
+        q, k, v = self.qkv(self.ln1(x)).view(B, S, self.a, 3, H // self.a).permute(3, 0, 2, 1, 4)  # (B, a, S, H/a)
         o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
         x = x + F.dropout(self.proj(o.transpose(1, 2).reshape(B, S, H)), self.p, self.training)
         z = self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))  # (B, S, H)
@@ -213,15 +224,16 @@ class Row:
     not_costed: str | None = None  # why the published plan cannot be priced through the API
     cp: int = 1  # context-parallel degree of the published plan
     vpp: int | None = None  # published virtual stages per pipeline rank (interleaved_1f1b), if given
+    layer_ms: tuple[float, float] | None = None  # published (forward, backward) ms of one transformer block per step
     loss_parallel: bool = False  # the run kept the logits vocab-sharded (torchtitan's loss_parallel, Megatron's
     # vocab_parallel_cross_entropy): the planner's "loss_parallel" pin
 
 
-def _mega(key, h, a, L, tp, pp, batch, t):
+def _mega(key, h, a, L, tp, pp, batch, t, micro=1, layer_ms=None):
     return Row(key, ("gpt3", h, a, L), tp * pp, "a100-80gb", 2048, batch,
-               {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0, "n_microbatches": batch, "recompute": "none",
-                **({"schedule": "1f1b"} if pp > 1 else {})}, "step_s", t, "Korthikanti et al. 2022, Table 4",
-               loss_parallel=True)  # Megatron-LM's vocab_parallel_cross_entropy
+               {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0, "n_microbatches": batch // micro, "recompute": "none",
+                **({"schedule": "1f1b"} if pp > 1 else {})}, "step_s", t, "Korthikanti et al. 2022, Table 5",
+               layer_ms=layer_ms, loss_parallel=True)  # Megatron-LM's vocab_parallel_cross_entropy
 
 
 def _llama(key, gpus, dp, per_dp, mfu, seq=8192, cp=1):
@@ -237,7 +249,8 @@ OURS_1B = dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8
 ROWS: dict[str, Row] = {r.key: r for r in [
     Row("ours-1.1b", ("gpt", OURS_1B), 1, "h100-sxm", 2048, 4, {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0,
         "n_microbatches": 1, "recompute": "none"}, "step_s", 0.122, "benchmarks/RESULTS.md gpu_check, measured"),
-    _mega("megatron-22b", 6144, 64, 48, 8, 1, 4, 1.10),
+    _mega("megatron-22b", 6144, 64, 48, 8, 1, 4, 1.10, micro=4,  # Table 3: micro-batch 4 = the global batch
+          layer_ms=(7.2, 11.8)),  # Table 4, "sequence parallelism" (no recompute, as costed): one layer
     _mega("megatron-175b", 12288, 96, 96, 8, 8, 64, 13.75),
     _mega("megatron-530b", 20480, 128, 105, 8, 35, 280, 37.83),
     _mega("megatron-1t", 25600, 160, 128, 8, 64, 512, 71.49),
@@ -282,12 +295,22 @@ def _build_and_capture(row: Row):
     return capture(model, (idx,), dynamic_seq=row.cp > 1)  # cp plans need the sequence symbolic
 
 
-def hardware(row: Row):
+# the attention kernels a row's model can be costed with (`--attention`): the profile's own ("flash"), or
+# the unfused core 2022 Megatron-LM ran (score matrix materialised in 16-bit: FusedScaleMaskSoftmax, dropout,
+# bmm), the profile's kernels with sdpa "math" and no fp32 upcast; only the Megatron rows ("gpt3") take it
+ATTENTION = {"flash": {}, "unfused": {"sdpa": "math", "sdpa_math_upcast": False}}
+
+
+def hardware(row: Row, attention: str = "flash"):
     from autopar.cost import load_profile
 
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: choose one of {sorted(ATTENTION)}")
     hw = load_profile(row.profile)
     if row.gpus > hw.world_size:
         hw = hw.with_nodes(-(-row.gpus // hw.gpus_per_node))
+    if ATTENTION[attention] and row.model[0] == "gpt3":
+        hw = dataclasses.replace(hw, kernels={**hw.kernels, **ATTENTION[attention]})
     return hw
 
 
@@ -342,20 +365,21 @@ def row_pins(row: Row, pp_virtual: int | None = None) -> dict[str, Any]:
     return pins
 
 
-def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None) -> dict[str, Any]:
+def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, attention: str = "flash") -> dict[str, Any]:
     """Cost the row's published plan (and, with `planner`, plan it freely). Returns a dict:
     predicted, published, error (predicted / published - 1), plan (the pinned Plan), and
     planner_plan / planner_figure when planned; `not_costed` with the reason instead.
-    `pp_virtual`: the interleaved rows' virtual stages per rank (`row_pins`)."""
+    `pp_virtual`: the interleaved rows' virtual stages per rank (`row_pins`); `attention`: a key of
+    `ATTENTION` (the Megatron rows' attention kernels)."""
     from autopar.search.planner import plan_for
 
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"row": row, "published": row.published, "not_costed": row.not_costed}
+    out: dict[str, Any] = {"row": row, "published": row.published, "not_costed": row.not_costed, "attention": attention}
     if row.not_costed:
         out["seconds"] = time.perf_counter() - t0
         return out
     gm = build_and_capture(row)
-    hw = hardware(row)
+    hw = hardware(row, attention)
     limit = 0.9 * row.memory_gb * 2**30 if row.memory_gb else None
     pinned = dict(pins=row_pins(row, pp_virtual), global_batch=row.global_batch, allow=ALLOW, top_k=1, precision={"offload": False})
     try:
@@ -461,6 +485,43 @@ def breakdown(r: dict) -> str:
             f"optimizer {p.get('optimizer_s', 0.0):.3g} s{split}")
 
 
+def layer_times(r: dict, layer: str = "layers.1") -> tuple[float, float]:
+    """(forward, backward) seconds of one transformer block in the pinned plan's step, all its
+    micro-batches: each node's time on its rank (`cost.node_time.NodeTimer` with the plan's layout
+    divisors) plus the tensor-parallel conversions it consumes (`cost.tp_conversions.node_tp_seconds`,
+    half forward, half backward, as the planner charges them): the cost model's side of a source
+    that times one layer (`Row.layer_ms`)."""
+    from autopar.cost import analyze
+    from autopar.cost.comm import axis_links
+    from autopar.cost.node_time import NodeTimer, layout_divisors
+    from autopar.cost.tp_conversions import node_tp_seconds
+
+    row, plan = r["row"], r["plan"]
+    gm = build_and_capture(row)
+    hw = hardware(row, r.get("attention", "flash"))
+    gc = analyze(gm, hw)
+    values = gc.values({"b": row.global_batch // (plan.mesh.get("dp", 1) * plan.n_microbatches)})
+    timer = NodeTimer(hw, values, compute_dtype=plan.param_dtype)
+    div, _ = layout_divisors(gc, plan)
+    tp = node_tp_seconds(gm, gc, plan, values, axis_links(hw, plan.mesh), hw.kernel_overhead_s) or {}
+    f = b = 0.0
+    for n in gc.nodes:
+        if n.layer == layer:
+            nf, nb = timer.node(n, div.get(n.index, 1))
+            f, b = f + nf + tp.get(n.index, 0.0) / 2, b + nb + tp.get(n.index, 0.0) / 2
+    if f == 0.0:
+        raise ValueError(f"{row.key}: no node of block {layer!r} in the captured graph; name a block it has")
+    return f * plan.n_microbatches, b * plan.n_microbatches
+
+
+def layer_line(r: dict) -> str:
+    """One line of a row's predicted block time against its source's per-layer figure."""
+    f, b = layer_times(r)
+    pf, pb = r["row"].layer_ms
+    return (f"layer {r['row'].key}: one block forward {f * 1e3:.2f} ms (published {pf} ms, {f * 1e3 / pf - 1:+.1%}), "
+            f"backward {b * 1e3:.2f} ms (published {pb} ms, {b * 1e3 / pb - 1:+.1%})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(ROWS), action="append", help="run only this row (repeatable)")
@@ -469,16 +530,21 @@ def main(argv=None) -> None:
                     help="after the table, where each pinned plan's predicted step goes (compute, bubble, comm)")
     ap.add_argument("--pp-virtual", type=int, default=None, metavar="V",
                     help="pin the virtual stages per rank of the interleaved rows (default: searched)")
+    ap.add_argument("--attention", choices=sorted(ATTENTION), default="flash",
+                    help="the Megatron rows' attention: the profile's flash kernel (default) or the unfused core "
+                         "2022 Megatron-LM ran (its selective recompute of that core is not priced)")
     a = ap.parse_args(argv)
-    print(f"torch {torch.__version__}; error = predicted / published - 1")
+    print(f"torch {torch.__version__}; error = predicted / published - 1; Megatron rows' attention: {a.attention}")
     results = []
     for key, row in ROWS.items():
         if a.only and key not in a.only:
             continue
-        results.append(cost_row(row, planner=not a.no_planner, pp_virtual=a.pp_virtual))
+        results.append(cost_row(row, planner=not a.no_planner, pp_virtual=a.pp_virtual, attention=a.attention))
         print(f"  {key}: done in {results[-1]['seconds']:.1f} s", flush=True)
         if a.breakdown and "plan" in results[-1]:
             results[-1]["breakdown"] = breakdown(results[-1])  # while the row's graph is the captured one
+            if row.layer_ms:
+                results[-1]["breakdown"] += "\n" + layer_line(results[-1])
     print_table(results)
     for r in results:
         if r.get("breakdown"):

@@ -11,7 +11,8 @@ row-parallel k, and the sharded one is the wide one). Attention uses `hw.attenti
 seq, head_dim, causal, backward)` with seq and head_dim from its output (b, h, seq, head_dim)
 and counts `causal_fraction` of the score matrix. floor[kind] is the table's per-kernel floor
 (0 without one). Backward: the node's backward FLOPs, twice its other FLOPs, and bytes =
-output gradients + input gradients + saved tensors. The step estimate, the searches
+output gradients + input gradients + saved tensors (+ unfused attention's passes over its score
+gradients, `MATH_BWD_SCORE_PASSES`). The step estimate, the searches
 (sharding, fusion, planner) and the memory timeline all time nodes with it.
 
 `layout_divisors(gc, plan)`: the tensor-parallel plug-in. `Plan.node_layouts` maps a node key
@@ -47,6 +48,16 @@ __all__ = ["NodeTimer", "layout_divisors", "PER_OUTPUT_ELEMENT"]
 # an input or a dimension the output's sharding need not split: they stay whole.
 PER_OUTPUT_ELEMENT = frozenset({"dropout_mask", "mean", "rstd", "logsumexp", "q_scaled", "k_scaled", "attn_probs",
                                 "attn_dropout_mask", "attn_dropped", "v_bmm", "x_fp32", "normed", "original_self"})
+
+# Backward of unfused ("math") attention, in passes over the score matrix (at the saved `attn_probs`' width)
+# that no saved tensor stands for: the dropped probabilities' gradient (written by bmm, read by dropout's
+# backward), the probabilities' gradient (written, read by softmax's backward), the scores' gradient (written,
+# read by the two bmms giving dq and dk): 7 with attention dropout; 6 without (the dropout pair gone, the saved
+# probabilities read a second time: by the bmm giving dv and by softmax's backward). Counted op by op in torch's
+# math backward (tests/unit/test_cost_models.py). Flash attention's backward keeps these on chip. Against Korthikanti et al. 2022, Table 4 (22B, tp 8, sequence parallel,
+# no recompute, 2022 Megatron-LM's unfused core; benchmarks/bench_published.py --attention unfused): one block's
+# backward 11.14 ms predicted (9.99 ms without these passes) against 11.8 ms measured; forward 7.03 against 7.2.
+MATH_BWD_SCORE_PASSES = {True: 7, False: 6}
 
 
 class NodeTimer:
@@ -98,7 +109,12 @@ class NodeTimer:
 
     def _bwd_bytes(self, n: NodeCost) -> float:
         b = sum(self.ev(t.nbytes) for t in n.outputs) + sum(self.ev(t.nbytes) for t in n.grad_inputs)
-        return b + sum(self.ev(nb) for _k, nb, _t in n.saved)
+        b += sum(self.ev(nb) for _k, nb, _t in n.saved)
+        probs = [self.ev(nb) for _k, nb, tag in n.saved if tag == "attn_probs"]  # the math path of attention
+        if probs:
+            passes = MATH_BWD_SCORE_PASSES[any(tag == "attn_dropout_mask" for _k, _nb, tag in n.saved)]
+            b += passes * sum(probs)
+        return b
 
     def seconds(self, kind: str, dtype: str, flops: float, other: float, nbytes: float, *, div: int = 1,
                 shape: tuple[float, ...] | None = None, causal_fraction: float = 1.0,

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 from cost_helpers import HF, REFERENCE, build, capture, captured, measure_flops, measure_saved_bytes  # noqa: E402
 
-from autopar.cost import analyze  # noqa: E402
+from autopar.cost import analyze, load_profile  # noqa: E402
 
 ALL = REFERENCE + HF
 
@@ -175,3 +175,68 @@ def test_grouped_query_attention_counts_every_query_head_as_flop_counter_mode_do
     B, H, T, d = 2, 4, 16, 16
     assert len(attn) == 1 and attn[0].cost.flops == 4 * B * H * T * T * d  # q k^T and p v over all 4 heads
     assert attn[0].cost.flops == sum(v for k, v in fwd["ops"].items() if "attention" in k)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.0])
+def test_math_attention_backward_passes_over_the_score_matrix_match_torch_backward(dropout_p):
+    # what the cost model times unfused attention's backward with (NodeTimer._bwd_bytes): its saved
+    # score-sized tensors read once each, plus MATH_BWD_SCORE_PASSES passes over score-sized gradients;
+    # measured: every score-sized tensor a non-view op of torch's math backward reads or writes
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from autopar.cost.node_time import MATH_BWD_SCORE_PASSES, NodeTimer
+    from autopar.cost.symbolic import evaluate
+
+    b, h, s, d = 2, 4, 512, 16  # large enough that the A100 timing below is memory-bound, not at its floor
+    scores = b * h * s * s
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, d))  # q, k and v need gradients, as in a model
+
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q * self.w[0], k * self.w[1], v * self.w[2],
+                                                                    dropout_p=dropout_p)
+
+    model = Attn()
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = model(q, k, v)
+
+    class Passes(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = func(*args, **(kwargs or {}))
+            if not func._schema.is_mutable and not any(a.alias_info for a in func._schema.returns):  # views move nothing
+                flat = tree_flatten((args, kwargs))[0] + tree_flatten(res)[0]
+                self.n += sum(isinstance(t, torch.Tensor) and t.numel() == scores for t in flat)
+            return res
+
+    with Passes() as measured:
+        out.backward(torch.ones_like(out))
+
+    gm = capture(model, (q, k, v))
+    hw = load_profile("a100-80gb")
+    gc = analyze(gm, hw, kernels={"sdpa": "math"})
+    (node,) = [n for n in gc.nodes if "scaled_dot_product_attention" in n.op]
+    values = gc.values()
+    saved = {tag: evaluate(nb, values) for _k, nb, tag in node.saved if tag.startswith("attn_")}
+    assert saved.pop("attn_probs") == scores * 4  # fp32 probabilities
+    assert saved == ({"attn_dropout_mask": scores, "attn_dropped": scores * 4} if dropout_p else {})  # bool mask
+    saved = ["attn_probs", *saved]
+    assert measured.n == len(saved) + MATH_BWD_SCORE_PASSES[dropout_p > 0]
+    base = sum(evaluate(t.nbytes, values) for t in node.outputs + node.grad_inputs) + sum(
+        evaluate(nb, values) for _k, nb, _t in node.saved)
+    timer = NodeTimer(hw, values)
+
+    def backward_s(nbytes):  # the node's backward with these bytes, through the public roofline
+        return timer.seconds("attention", node.cost.dtype, evaluate(node.bwd_flops, values),
+                             2 * evaluate(node.cost.other_flops, values), nbytes, shape=(s, d),
+                             causal_fraction=node.cost.causal_fraction, backward=True)
+
+    with_passes = backward_s(base + MATH_BWD_SCORE_PASSES[dropout_p > 0] * scores * 4)
+    assert with_passes > backward_s(base)  # memory-bound here: the passes show in the time
+    assert timer.node(node)[1] == with_passes
