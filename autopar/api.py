@@ -402,20 +402,9 @@ def _joint_plan(global_gm, mesh: Mesh, args, pins, zero_stage, bucket_mb, n_micr
     all_pins = {**(pins or {}), **{k: v for k, v in {"zero_stage": zero_stage, "bucket_mb": bucket_mb,
                                                      "n_microbatches": n_microbatches}.items() if v is not None}}
     rows = next((t.shape[0] for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.dim()), None)
-    box: list[Any] = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            plan, _report = plan_for(global_gm, mesh.world_size, hardware or _hardware(mesh), pins=all_pins,
-                                     memory_limit=memory_limit, global_batch=rows, precision=precision,
-                                     moe_aux_stats=moe_aux_stats)
-            box = [plan.to_json()]
-        except ValueError as e:
-            box = [{"error": str(e)}]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0, group=planning_group())
-    if isinstance(box[0], dict):
-        raise ValueError(box[0]["error"])
-    plan = Plan.from_json(box[0])
+    plan = Plan.from_json(on_rank0(lambda: plan_for(
+        global_gm, mesh.world_size, hardware or _hardware(mesh), pins=all_pins, memory_limit=memory_limit,
+        global_batch=rows, precision=precision, moe_aux_stats=moe_aux_stats)[0].to_json(), what="the joint planner"))
     return plan, make_mesh(device_type=mesh.device_type, **plan.mesh)
 
 

@@ -45,11 +45,12 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.build.gantt import write_gantt_svg
+from autopar.build.rank0 import on_rank0
 from autopar.passes.dump import write_graph
 from autopar.passes.pass_manager import PassContext, PassManager, PassRecord
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import PipelineInfo, split_pipeline
-from autopar.runtime.mesh import Mesh, planning_group
+from autopar.runtime.mesh import Mesh
 from autopar.runtime.schedules import SCHEDULES, fuse_backward, make_schedule, simulate
 
 __all__ = ["PipelineCut", "choose_stages", "cut_pipeline", "pipeline_shape", "write_schedule_svg", "write_stage_graphs"]
@@ -241,26 +242,15 @@ def cut_pipeline(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Plan
 
 def _choose_on_rank0(global_gm, plan: Plan, mesh: Mesh, hardware, memory_limit) -> None:
     """Rank 0 searches and every rank takes its answer, so all ranks cut the same stages
-    (an error is raised on every rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        choose_stages(global_gm, plan, mesh, hardware=hardware, memory_limit=memory_limit)
-        return
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
+    (an error is raised on every rank: `build.rank0.on_rank0`)."""
+    def choose() -> dict[str, Any]:
         n_notes = len(plan.notes)
-        try:
-            choose_stages(global_gm, plan, mesh, hardware=hardware, memory_limit=memory_limit)
-            box = [{"split_points": list(plan.split_points), "notes": plan.notes[n_notes:],
-                    "pipeline": plan.extra.get("pipeline")}]
-        except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
-            box = [{"error": str(e), "value_error": isinstance(e, ValueError), "type": type(e).__name__}]
-    dist.broadcast_object_list(box, src=0, group=planning_group())
-    got = box[0]
-    if "error" in got:
-        if got["value_error"]:
-            raise ValueError(got["error"])
-        raise RuntimeError(f"the pipeline stage search failed on rank 0: {got['type']}: {got['error']}")
-    if dist.get_rank() != 0:
+        choose_stages(global_gm, plan, mesh, hardware=hardware, memory_limit=memory_limit)
+        return {"split_points": list(plan.split_points), "notes": plan.notes[n_notes:],
+                "pipeline": plan.extra.get("pipeline")}
+
+    got = on_rank0(choose, what="the pipeline stage search")
+    if dist.is_initialized() and dist.get_rank() != 0:  # rank 0's plan holds its answer already
         plan.split_points = got["split_points"]
         plan.notes.extend(got["notes"])
         plan.extra["pipeline"] = got["pipeline"]
