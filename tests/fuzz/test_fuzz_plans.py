@@ -56,15 +56,24 @@ def test_random_plans_match_one_process_or_are_refused_up_front(capsys):
 
 def test_a_crash_and_a_hang_are_reported_and_the_plans_after_them_still_run():
     """The harness itself: rank 1 raises after step 2 of one plan, rank 2 sleeps after step 1 of
-    the next (the per-plan watchdog ends the plan: that plan's own, 15 s, the others' 40 s; a
-    plan of this kind trains in about 4 s on the loaded 2-core machine, so 15 s is past its
-    steps and the watchdog is the same code path as the default 150 s); each gets its verdict,
-    and the plans before and after them still match (a new world after each failure)."""
+    the next (the per-plan watchdog ends the plan; the others' watchdog is 40 s); each gets its
+    verdict, and the plans before and after them still match (a new world after each failure).
+    The hanging plan's own watchdog is 3x the seconds the same plan took to build, train 3 steps
+    and export as the first plan of the first world, within 5 to 15 s (plan 2 is the first of the
+    second world and sleeps after 1 step): the fixed 15 s idled ~13 s past the hang on a quiet
+    machine, and a machine slower in the second world than in the first still has 3x. Rank 2's
+    dumped stack must show it in the injected sleep, so a watchdog that fired before the hang
+    fails here (with a 0.3 s watchdog: stopped in new_group, every other assertion passed)."""
     ok = {"seed": 0, "model": "gpt-tiny", "dtype": "float64", "mesh": {"dp": 2, "tp": 2},
           "kw": {"zero_stage": 1, "pins": {"fusions": []}}}
     todo = [dict(ok, index=0), dict(ok, index=1, inject={"rank": 1, "step": 2, "what": "raise"}),
             dict(ok, index=2, inject={"rank": 2, "step": 1, "what": "hang"}, timeout_s=15.0), dict(ok, index=3)]
-    records = fuzz.run_plans(todo, plan_timeout_s=40.0)
+
+    def hang_timeout(rec):  # called as each verdict is known, before the next world forks
+        if rec["plan"]["index"] == 0:
+            todo[2]["timeout_s"] = min(15.0, max(5.0, 3.0 * rec["seconds"]))
+
+    records = fuzz.run_plans(todo, plan_timeout_s=40.0, on_result=hang_timeout)
     got = [r["verdict"] for r in records]
     assert [v.split(" ")[0] for v in got] == ["match", "CRASH", "HANG", "match"], got
     assert "rank 1 at step 2" in got[1] and "injected failure" in got[1], got[1]
@@ -72,3 +81,13 @@ def test_a_crash_and_a_hang_are_reported_and_the_plans_after_them_still_run():
     # the collective timeout, 60 s, is later): the verdict names the ranks whose stacks were dumped
     # before the world was stopped (not a world timeout, which leaves no stacks)
     assert "past the plan timeout" in got[2] and "most recent call first" in records[2]["detail"], records[2]
+    stacks = {int(part.split(" ", 1)[0]): part for part in records[2]["detail"].split("--- stack of rank ")[1:]}
+    assert f"line {_sleep_line()} in run_plan" in stacks.get(2, ""), (todo[2]["timeout_s"], records[2]["detail"])
+
+
+def _sleep_line() -> int:
+    """The line of tests/fuzz/plans.py where an injected hang sleeps."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(fuzz.run_plan)
+    return first + next(i for i, t in enumerate(lines) if "time.sleep(10**6)" in t)
