@@ -28,10 +28,13 @@ fraction, and the peak number of micro-batch activations held per rank (forward 
 
 Guarantees: a `Schedule` that exists is well formed (every stage/micro-batch has exactly one
 `F` and either one `B` or one `I` and one `W`, each on the rank that holds the stage);
-`from_grid(s.to_grid()) == s`; the simulator is deterministic.
+`from_grid(s.to_grid()) == s`; the simulator is deterministic: the order actions run in depends
+on no duration, so it is found once per schedule object and only timed after (`fuse_backward` too
+is memoised): the planner simulates the same few schedules thousands of times.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -428,12 +431,69 @@ def fuse_backward(schedule: Schedule, stages) -> Schedule:
     What a zero-bubble schedule runs on a stage that holds activation-checkpoint regions, which
     allow one backward (runtime/pipeline.py); the result is well formed and, since a `W` is no
     action's dependency and `B` waits on what `I` waited on, as deadlock-free as `schedule`."""
-    fuse = set(stages)
-    if not fuse or not any(a.kind is Kind.I and a.stage in fuse for acts in schedule.actions for a in acts):
-        return schedule  # nothing to join (1f1b, gpipe, interleaved_1f1b, or no such stage): the same object
-    acts = [[_A(a.stage, Kind.B, a.mb) if a.kind is Kind.I and a.stage in fuse else a
-             for a in rank if not (a.kind is Kind.W and a.stage in fuse)] for rank in schedule.actions]
-    return Schedule(schedule.name, schedule.n_microbatches, schedule.stage_to_rank, acts)
+    fuse = frozenset(stages)
+    hit = _FUSED.get((id(schedule), fuse))
+    if hit is not None and hit[0] is schedule:  # the planner fuses the same few schedules thousands of times
+        return hit[1]
+    out = schedule  # nothing to join (1f1b, gpipe, interleaved_1f1b, or no such stage): the same object
+    if any(a.kind is Kind.I and a.stage in fuse for acts in schedule.actions for a in acts):
+        out = Schedule(schedule.name, schedule.n_microbatches, schedule.stage_to_rank,
+                       [[_A(a.stage, Kind.B, a.mb) if a.kind is Kind.I and a.stage in fuse else a
+                         for a in rank if not (a.kind is Kind.W and a.stage in fuse)] for rank in schedule.actions])
+    return _remember(_FUSED, (id(schedule), fuse), schedule, out)
+
+
+# memos by a (frozen) schedule's identity; an entry holds the schedule, so its id is not reused
+_FUSED: dict[tuple[int, frozenset], tuple[Schedule, Schedule]] = {}
+_ORDERS: dict[int, tuple[Schedule, tuple]] = {}
+
+
+def _remember(memo: dict, key, schedule: Schedule, value):
+    if len(memo) >= 1024:
+        memo.clear()
+    memo[key] = (schedule, value)
+    return value
+
+
+def _run_order(schedule: Schedule) -> tuple:
+    """(order, peak in flight per rank, blocked actions) of `schedule`, memoised: the order no duration
+    changes, per action (rank, action, kind, stage, ((its dependency's position, the boundary crossed or -1), ..))."""
+    if (hit := _ORDERS.get(id(schedule))) is not None and hit[0] is schedule:
+        return hit[1]
+    S, P, s2r = schedule.n_stages, schedule.n_ranks, schedule.stage_to_rank
+    bkind = {(a.stage, a.mb): a.kind for acts in schedule.actions for a in acts if a.kind in (Kind.B, Kind.I)}
+
+    def deps(a: Action) -> list[tuple[Action, int]]:  # as simulate's, with the boundary's index for p2p
+        s, m = a.stage, a.mb
+        if a.kind is Kind.F:
+            return [] if s == 0 else [(_A(s - 1, Kind.F, m), s - 1 if s2r[s - 1] != s2r[s] else -1)]
+        if a.kind is Kind.W:
+            return [(_A(s, Kind.I, m), -1)]
+        out = [(_A(s, Kind.F, m), -1)]
+        if s < S - 1:
+            out.append((_A(s + 1, bkind[(s + 1, m)], m), s if s2r[s + 1] != s2r[s] else -1))
+        return out
+
+    at: dict[Action, int] = {}  # action -> its position in `order`
+    order, pos, progress = [], [0] * P, True
+    while progress:
+        progress = False
+        for r in range(P):
+            acts = schedule.actions[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                ds = deps(a)
+                if any(d not in at for d, _ in ds):
+                    break
+                at[a] = len(order)
+                order.append((r, a, a.kind, a.stage, tuple((at[d], h) for d, h in ds)))
+                pos[r] += 1
+                progress = True
+    peak = tuple(max(itertools.accumulate(((a.kind is Kind.F) - (a.kind in (Kind.B, Kind.W)) for a in acts),
+                                          initial=0)) for acts in schedule.actions)  # F holds one, B/W frees
+    nxt = [(r, schedule.actions[r][pos[r]]) for r in range(P) if pos[r] < len(schedule.actions[r])]
+    blocked = tuple(Blocked(r, a, tuple(d for d, _ in deps(a) if d not in at)) for r, a in nxt)
+    return _remember(_ORDERS, id(schedule), schedule, (tuple(order), peak, blocked))
 
 
 # ------------------------------------------------------------------------------ simulator
@@ -519,64 +579,22 @@ def simulate(schedule: Schedule, f: float | Sequence[float] = 1.0, b: float | Se
     hop = _per_stage("p2p", p2p, S - 1) if not isinstance(p2p, (int, float)) else [float(p2p)] * max(S - 1, 0)
     if any(x < 0 for x in hop) or any(x < 0 for d in dur.values() for x in d):
         raise ValueError(f"durations must be >= 0, got f={tf}, b={tb}, i={ti}, w={tw}, p2p={hop}")
-    s2r = schedule.stage_to_rank
-    bkind = {}  # (stage, mb) -> the kind that produces the input gradient (B or I)
-    for acts in schedule.actions:
-        for a in acts:
-            if a.kind in (Kind.B, Kind.I):
-                bkind[(a.stage, a.mb)] = a.kind
-
-    def deps(a: Action) -> list[tuple[Action, float]]:
-        s, m = a.stage, a.mb
-        if a.kind is Kind.F:
-            return [] if s == 0 else [(_A(s - 1, Kind.F, m), hop[s - 1] if s2r[s - 1] != s2r[s] else 0.0)]
-        if a.kind is Kind.W:
-            return [(_A(s, Kind.I, m), 0.0)]
-        out = [(_A(s, Kind.F, m), 0.0)]
-        if s < S - 1:
-            out.append((_A(s + 1, bkind[(s + 1, m)], m), hop[s] if s2r[s + 1] != s2r[s] else 0.0))
-        return out
-
-    done: dict[Action, float] = {}
-    pos = [0] * P
+    durations = {"f": tf, "b": tb, "i": ti, "w": tw, "p2p": hop}
+    order, peak, deadlock = _run_order(schedule)  # which actions run in which order: no duration changes it
     clock = [0.0] * P
     timelines: list[list[TimedAction]] = [[] for _ in range(P)]
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            acts = schedule.actions[r]
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                ds = deps(a)
-                if any(d not in done for d, _ in ds):
-                    break
-                start = max([clock[r]] + [done[d] + lat for d, lat in ds])
-                end = start + dur[a.kind][a.stage]
-                done[a] = end
-                clock[r] = end
-                timelines[r].append(TimedAction(r, a, start, end))
-                pos[r] += 1
-                progress = True
+    ends: list[float] = []
+    for r, a, kind, s, ds in order:
+        start = clock[r]  # the latest of the rank's clock and each dependency's end (+ its transfer)
+        for j, h in ds:
+            t = ends[j] + (hop[h] if h >= 0 else 0.0)
+            if t > start:
+                start = t
+        end = start + dur[kind][s]
+        ends.append(end)
+        clock[r] = end
+        timelines[r].append(TimedAction(r, a, start, end))
     busy = [sum(t.end - t.start for t in tl) for tl in timelines]
-    peak = []
-    for acts in schedule.actions:
-        held = best = 0
-        for a in acts:
-            if a.kind is Kind.F:
-                held += 1
-                best = max(best, held)
-            elif a.kind in (Kind.B, Kind.W):
-                held -= 1
-        peak.append(best)
-    durations = {"f": tf, "b": tb, "i": ti, "w": tw, "p2p": hop}
-    blocked = [r for r in range(P) if pos[r] < len(schedule.actions[r])]
-    if blocked:
-        dl = []
-        for r in blocked:
-            a = schedule.actions[r][pos[r]]
-            dl.append(Blocked(r, a, tuple(d for d, _ in deps(a) if d not in done)))
-        return SimResult(schedule, timelines, busy, peak, deadlock=dl, durations=durations)
-    makespan = max(clock) if P else 0.0
-    bubble = 1.0 - sum(busy) / (P * makespan) if makespan > 0 else 0.0
-    return SimResult(schedule, timelines, busy, peak, None, makespan, bubble, durations)
+    makespan = None if deadlock else max(clock) if P else 0.0
+    bubble = None if deadlock else 1.0 - sum(busy) / (P * makespan) if makespan > 0 else 0.0
+    return SimResult(schedule, timelines, busy, list(peak), list(deadlock) or None, makespan, bubble, durations)

@@ -160,7 +160,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
              batch_is_global: bool = False,
              optimizer: Any = "adamw", master_dtype: torch.dtype | str | None = "auto",
              grad_dtype: torch.dtype | None = None, algorithm: str = "auto",
-             kernels: Mapping[str, Any] | None = None) -> Estimate:
+             kernels: Mapping[str, Any] | None = None, analysis: GraphCost | None = None) -> Estimate:
     """Predict step time and memory per rank of training `gm` under `plan` on `hardware`.
 
     Args:
@@ -180,10 +180,13 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         algorithm: collective algorithm: "ring", "tree", or "auto" (the faster one per call, as
             NCCL's tuner picks; bytes_sent follows the choice).
         kernels: overrides for the profile's kernel choices (e.g. {"sdpa": "math"}).
+        analysis: `analyze(gm, hardware, kernels=kernels)` done already (a caller costing many
+            plans of one graph): used instead of analysing `gm` again; `gm` itself still gives
+            the plan's tensor-parallel conversions (a GraphCost alone as `gm` has none).
     """
     t0 = time.perf_counter()
     hw = load_profile(hardware)
-    gc = gm if isinstance(gm, GraphCost) else analyze(gm, hw, kernels=kernels)
+    gc = analysis if analysis is not None else gm if isinstance(gm, GraphCost) else analyze(gm, hw, kernels=kernels)
     plan = plan or Plan(mesh={"dp": 1})
     param_dt = torch_dtype(plan.param_dtype)
     if param_dt is not None:  # the engine casts every floating parameter (not buffers) to it

@@ -217,7 +217,7 @@ def stage_walk(g: GraphCost, values: Mapping, *, param_grad_bytes: Mapping[Any, 
                          fwd_peak=forward_peak(g, values, storage_divisor=storage_divisor, loss=loss, trace=trace))
     kw.update(hardware=hardware, compute_divisor=compute_divisor)
     one = timeline(g, regions, values, keep_points=False, **kw)
-    again = timeline(g, regions, values, grads_preallocated=True, keep_points=False, **kw).peak if later else one.peak
+    again = one.later_peak if later else one.peak  # the walk with the gradients preallocated, from the same walk
     return StageWalk(first=float(one.peak), later=float(again), held=float(one.forward_end), inputs=float(one.inputs),
                      walk_grads=float(one.param_grads), fwd_peak=float(one.forward_peak),
                      recompute_s=float(one.recompute_s),

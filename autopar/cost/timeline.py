@@ -110,6 +110,9 @@ class Timeline:
     recomputed_nodes: int
     segments: list[SegmentUse] = field(default_factory=list)
     forward_peak: float = 0.0  # the most alive at a forward point (inputs, each node, the loss's saved tensor)
+    # the peak with every parameter gradient allocated from the start: what a walk with
+    # grads_preallocated=True gives (only the parameter gradients differ), without walking again
+    later_peak: float = 0.0
 
 
 def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | None = None, *,
@@ -231,6 +234,7 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     points: list[Point] = []
     peak = [-1.0, "forward", "(inputs)"]
     fwd_peak = [0.0]
+    bare = [-1.0]  # the most alive at a point without the parameter gradients (`later_peak`)
 
     def alloc(k, kind: str) -> None:
         if k in alive:
@@ -256,7 +260,10 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     work = [[0.0] * n_seg, [0.0] * n_seg]  # forward, recompute + backward
 
     def point(phase: str, name: str, i: int, transient: float = 0.0) -> None:
-        a = total() + transient + gb.param_grads
+        x = total() + transient
+        a = x + gb.param_grads
+        if x > bare[0]:
+            bare[0] = x
         s = seg_at(i)
         if segment_of is not None:
             w = a - sum(seg_held[:s])
@@ -348,7 +355,8 @@ def timeline(gc: GraphCost, regions: Iterable[Region] = (), values: Mapping | No
     return Timeline(points=points, peak=peak[0], peak_phase=peak[1], peak_node=peak[2], inputs=inputs_bytes,
                     saved=saved, saved_by=saved_by, outputs=outputs, forward_end=forward_end, param_grads=gb.param_grads,
                     recompute_flops=re_flops, recompute_s=re_s, recomputed_nodes=re_nodes,
-                    segments=segments, forward_peak=fwd_peak[0])
+                    segments=segments, forward_peak=fwd_peak[0],
+                    later_peak=bare[0] + GradBuffers(gc, ev, param_grad_bytes, True).param_grads)
 
 
 # buffers an op makes from its inputs before computing (autograd packs them before the kernel)

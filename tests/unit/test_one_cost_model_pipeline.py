@@ -45,7 +45,7 @@ import copy
 import pytest
 import torch
 
-from autopar.cost import estimate, load_profile
+from autopar.cost import analyze, estimate, load_profile
 from autopar.cost.schedule import held_peaks, in_flight_per_stage, make_schedule, walk_peaks
 from autopar.search.candidate import candidates
 from autopar.search.plan_write import write_plan
@@ -66,6 +66,19 @@ def _close(got: float, want: float, what: str, rtol: float = RTOL) -> None:
                                rtol=rtol, atol=0.0, msg=lambda m: f"{what}: planner {got!r}, estimate {want!r}\n{m}")
 
 
+_ANALYSED: dict = {}  # (id(gm), hw) -> (gm, its GraphCost): estimate's analysis, once per graph and profile
+
+
+def _analysed(gm, hw: str):
+    """estimate's own analysis of `gm` on `hw` (`cost.analyze`), once per graph and profile, for
+    `estimate(..., analysis=)`: equal to estimate analysing afresh (checked on each `_pipelines`
+    call's first candidate)."""
+    hit = _ANALYSED.get((id(gm), hw))
+    if hit is None or hit[0] is not gm:
+        hit = _ANALYSED[(id(gm), hw)] = (gm, analyze(gm, load_profile(hw)))
+    return hit[1]
+
+
 def _pipelines(gm, hw: str, pins=None, world: int = WORLD, keep=lambda c: True, plans: dict | None = None) -> list:
     """Every feasible pp > 1 candidate of the planner's enumeration (that `keep` keeps), with the
     estimate of the Plan the planner writes for it: [(candidate, evaluation, estimate)]; the
@@ -73,7 +86,8 @@ def _pipelines(gm, hw: str, pins=None, world: int = WORLD, keep=lambda c: True, 
     prof = load_profile(hw)
     s = _Search(gm, prof, world, dict(pins or {}), DEFAULT_HEADROOM * prof.device.memory_bytes, None, 1, "adamw",
                 dict(RUNTIME_SUPPORT), None)
-    out = []
+    gc = _analysed(gm, hw)
+    out, fresh = [], set()  # tp > 1 or not: candidates checked against estimate analysing afresh
     for c in candidates(s.model, world, s.pins, s.support):
         if c.pp == 1 or not keep(c):
             continue
@@ -82,7 +96,13 @@ def _pipelines(gm, hw: str, pins=None, world: int = WORLD, keep=lambda c: True, 
         plan = write_plan(s, ev, s._report(ev, [ev], 0.0))
         if plans is not None:
             plans[c] = plan
-        out.append((c, ev, estimate(gm, plan, hw, batch_is_global=True)))
+        e = estimate(gm, plan, hw, batch_is_global=True, analysis=gc)
+        if (c.tp > 1) not in fresh:  # the graph analysed once estimates as the graph analysed afresh does
+            fresh.add(c.tp > 1)
+            whole = estimate(gm, plan, hw, batch_is_global=True)
+            assert (whole.step_s, whole.memory["peak_per_pp_rank"], whole.recompute_s) == \
+                (e.step_s, e.memory["peak_per_pp_rank"], e.recompute_s), c.label()
+        out.append((c, ev, e))
     return out
 
 
@@ -94,7 +114,8 @@ def _tp_share(gm, done, plans: dict, hw: str) -> float:
         if c.tp > 1 and plans[c].strategies:
             bare = copy.deepcopy(plans[c])
             bare.strategies = {}
-            most = max(most, 1 - estimate(gm, bare, hw, batch_is_global=True).step_s / e.step_s)
+            bare_e = estimate(gm, bare, hw, batch_is_global=True, analysis=_analysed(gm, hw))
+            most = max(most, 1 - bare_e.step_s / e.step_s)
     return most
 
 
@@ -144,7 +165,7 @@ def test_every_pipeline_candidate_that_recomputes_equals_cost_estimate(graphs, n
     for c, ev, e in deep[:: max(1, len(deep) // 8)]:
         bare = copy.deepcopy(plans[c])
         bare.recompute = {}
-        b = estimate(gm, bare, hw, batch_is_global=True)
+        b = estimate(gm, bare, hw, batch_is_global=True, analysis=_analysed(gm, hw))
         assert e.step_s > b.step_s, c.label()
         freed = [x - y for x, y in zip(b.memory["peak_per_pp_rank"], e.memory["peak_per_pp_rank"])]
         assert min(freed) >= 0 and max(freed) > 0, (c.label(), freed)
