@@ -42,6 +42,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 MEMORY_RECORD = "[memory]"  # the profiler's name for one allocation (+) or free (-) record
+_NOT_WALKED = (type, types.ModuleType, str, bytes, int, float, bool)  # a root may be one; nothing they reach is counted
 
 
 @dataclass
@@ -70,9 +71,10 @@ def alive_storages(*roots: Any) -> dict[int, tuple[int, str]]:
     seen: set[int] = set()
     out: dict[int, tuple[int, str]] = {}
     stack: list[tuple[Any, str | None]] = [(r, None) for r in roots]
+    is_tracked, referents = gc.is_tracked, gc.get_referents
     while stack:
         o, via = stack.pop()
-        if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float, bool)) or o is None:
+        if o is None or id(o) in seen or isinstance(o, _NOT_WALKED):
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
@@ -95,7 +97,10 @@ def alive_storages(*roots: Any) -> dict[int, tuple[int, str]]:
         if isinstance(o, types.MethodType):
             stack.append((o.__self__, None))
             continue
-        stack += [(r, None) for r in gc.get_referents(o)]
+        # an object the collector does not track (a number, a string, a tuple or dict of only
+        # such objects) reaches no tensor, function or method (all tracked): never pushed, the
+        # same storages, ~40 % less time (a pp2 gpt-tiny ParallelModel and optimizer: 0.028 -> 0.016 CPU-s)
+        stack += [(r, None) for r in referents(o) if is_tracked(r)]
     return out
 
 

@@ -14,7 +14,8 @@ Predicted (checked, +-10% of the measured peak, the issue's tolerance): `autopar
 pm.global_graph, pm.plan, "cpu-gloo", batch_is_global=True)` for this rank: `memory["peak"]`, or
 `memory["peak_per_pp_rank"][its pp coordinate]` on a pipeline. On a CPU, offload's host memory
 is the same memory, so the offloaded bytes are added (`memory["offloaded"]`, not in the
-device peak). For the plans made for this CPU mesh (every strategy but tp, planned for
+device peak). The estimate reads only the global graph and the plan, the same on every rank: one
+rank computes it per strategy, in turn, and every rank's row takes its figure. For the plans made for this CPU mesh (every strategy but tp, planned for
 h100-sxm, and pp) `plan.predicted["peak_bytes"]` is that estimate: asserted equal.
 On the pipeline, `plan.predicted["peak_bytes_per_pp_rank"]` is that estimate too (asserted
 equal): after the stage search chooses the split, autopar/build/pipeline.py replaces the
@@ -69,7 +70,7 @@ def _measure_all(rank, ws, only):
         if only and name not in only:
             continue
         try:
-            out.append(_measure(rank, name, model_name, axes, kw))
+            out.append(_measure(rank, ws, name, model_name, axes, kw))
         except Exception as e:  # noqa: BLE001 - reported as a failed row; the other strategies still run
             out.append({"name": name, "rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"})
     return out
@@ -92,7 +93,7 @@ def _capture_here(model_name):
     capture_before_fork(model, x0)
 
 
-def _measure(rank, name, model_name, axes, kw) -> dict:
+def _measure(rank, ws, name, model_name, axes, kw) -> dict:
     t0 = time.perf_counter()
     spec, model, g, x0 = _model_and_batch(model_name)
     pm = autopar.parallelize(model, autopar.mesh(**axes), example_inputs=x0, **kw)
@@ -108,20 +109,41 @@ def _measure(rank, name, model_name, axes, kw) -> dict:
     one(0)  # creates the optimizer states
     m = step_peak(lambda: one(1), pm, opt)
     plan = pm.plan
-    est = estimate(pm.global_graph, plan, "cpu-gloo", batch_is_global=True)
+    # the estimate reads only the global graph and the plan, the same on every rank: one rank
+    # computes it per strategy, in turn, and `_predicted` gives every rank's row its figures
+    names = [s[0] for s in STRATEGIES]
+    est = estimate(pm.global_graph, plan, "cpu-gloo", batch_is_global=True) if names.index(name) % ws == rank else None
     pred = plan.predicted.get("estimate", plan.predicted)
     pp_rank = pm.mesh.coords(rank).get("pp", 0) if "pp" in axes else None
     if pp_rank is not None:
-        want = est.memory["peak_per_pp_rank"][pp_rank]
         planned = pred["peak_bytes_per_pp_rank"][pp_rank]  # cost.estimate of the chosen split
         search = pm.plan.extra["pipeline"]["rank_memory_search_bytes"][pp_rank]  # search/stages.py's walk
     else:
         search = None
-        want = est.memory["peak"] + est.memory["offloaded"]  # on a CPU the host is the same memory
-        planned = pred["peak_bytes"] + (est.memory["offloaded"] if pred.get("hardware") == "cpu-gloo" else 0.0)
-    return {"name": name, "rank": rank, "measured": m.peak, "alive": m.alive, "end": m.end, "low": m.low,
-            "want": want, "planned": planned, "planned_hw": pred.get("hardware"), "estimate_peak": est.memory["peak"],
-            "predicted_peak": pred.get("peak_bytes"), "search": search, "seconds": time.perf_counter() - t0}
+        planned = pred["peak_bytes"]
+    return {"name": name, "rank": rank, "pp_rank": pp_rank, "measured": m.peak, "alive": m.alive, "end": m.end,
+            "low": m.low, "estimate": None if est is None else {k: est.memory.get(k) for k in ("peak", "offloaded", "peak_per_pp_rank")},
+            "planned": planned, "planned_hw": pred.get("hardware"), "predicted_peak": pred.get("peak_bytes"),
+            "search": search, "seconds": time.perf_counter() - t0}
+
+
+def _predicted(rows) -> list:
+    """Each row's `want` (this rank's estimate: its pp rank's figure on a pipeline, else the peak plus
+    what is offloaded: on a CPU the host is the same memory) and, for a plan made for this CPU,
+    the offloaded bytes added to `planned` too, from the one estimate of its strategy. Returns
+    the rows whose strategy has its estimate (all of them unless the estimating rank failed)."""
+    computed = {r["name"]: r["estimate"] for r in rows if r["estimate"] is not None}
+    assert len(computed) == sum(r["estimate"] is not None for r in rows), "one estimate a strategy"
+    rows = [r for r in rows if r["name"] in computed]
+    for r in rows:
+        est = computed[r["name"]]
+        r["estimate_peak"] = est["peak"]
+        if r["pp_rank"] is not None:
+            r["want"] = est["peak_per_pp_rank"][r["pp_rank"]]
+        else:
+            r["want"] = est["peak"] + est["offloaded"]
+            r["planned"] += est["offloaded"] if r["planned_hw"] == "cpu-gloo" else 0.0
+    return rows
 
 
 def _table(rows) -> str:
@@ -143,6 +165,7 @@ def test_predicted_peak_per_rank_matches_the_measured_step_peak_for_every_strate
     rows = [r for rank_rows in res for r in rank_rows if "error" not in r]
     errors = [r for rank_rows in res for r in rank_rows if "error" in r]
     rows.sort(key=lambda r: ([s[0] for s in STRATEGIES].index(r["name"]), r["rank"]))
+    rows = _predicted(rows)
     print("\n" + _table(rows))
     print(f"wall {time.perf_counter() - t0:.1f} s (world of {WS}, {len(STRATEGIES)} strategies)")
     for r in errors:
