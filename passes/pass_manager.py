@@ -86,13 +86,33 @@ def verify(gm: fx.GraphModule, pass_name: str) -> None:
 
 def _fingerprint(gm: fx.GraphModule) -> list:
     """What the graph's code and its dump are made of, node by node: name, op, target, arguments
-    (nodes by name) and the annotation itself (a frozen `NodeInfo`: equal annotations print the
-    same line in the dump, and comparing them is cheaper than printing them: 0.6 -> 0.4 ms a
-    fingerprint of hf-llama tiny's 228 nodes). A pass that only annotates (layouts) still counts
-    as a change. Equal fingerprints give byte-identical dumps; building one costs a fraction of
-    generating the code (~6 ms for those 228 nodes)."""
-    return [(n.name, n.op, _target_name(n.target), repr(fx.node.map_arg((n.args, n.kwargs), _node_name)),
-             ir.get_info(n)) for n in gm.graph.nodes]
+    and the annotation itself (a frozen `NodeInfo`: equal annotations print the same line in the
+    dump, and comparing them is cheaper than printing them). A pass that only annotates (layouts)
+    still counts as a change. The arguments are held as the node's own `args` / `kwargs` objects
+    (immutable in fx: a pass that changes them sets new ones), and `same_graph` prints them (nodes
+    by name) only for a node whose objects were replaced: building a fingerprint no longer prints
+    every node's arguments (0.4 ms of hf-llama tiny's 228 nodes, ten times a build). Equal
+    fingerprints give byte-identical dumps; building one costs a fraction of generating the code
+    (~6 ms for those 228 nodes)."""
+    return [(n.name, n.op, _target_name(n.target), n.args, n.kwargs, ir.get_info(n)) for n in gm.graph.nodes]
+
+
+def same_graph(before: list, after: list) -> bool:
+    """Whether two `_fingerprint`s describe the same code and annotations: node by node equal
+    names, ops, targets and annotations, and arguments that are the same objects or print the
+    same with nodes by name (a node renamed since `before` was taken differs in its own entry)."""
+    if len(before) != len(after):
+        return False
+    for b, a in zip(before, after):
+        if b[0] != a[0] or b[1] != a[1] or b[2] != a[2] or (b[5] is not a[5] and b[5] != a[5]):
+            return False
+        if (b[3] is not a[3] or b[4] is not a[4]) and _args_text(b) != _args_text(a):
+            return False
+    return True
+
+
+def _args_text(entry: tuple) -> str:
+    return repr(fx.node.map_arg((entry[3], entry[4]), _node_name))
 
 
 _TARGET_NAMES: dict = {}  # str() of an op overload formats its name anew each time: a third of a fingerprint
@@ -127,10 +147,11 @@ class PassManager:
             dump_mod.write_graph(gm, os.path.join(self.dump_dir, f"{prefix}00_captured.py"),
                                  header="captured: " + str(gm.meta.get("autopar_capture", {}).get("path", "?")))
         after_src = None  # the last pass's output fingerprint is the next one's input fingerprint
+        after_c = None  # and its collective counts
         for i, p in enumerate(self.passes, start=1):
             name = getattr(p, "__name__", repr(p))
             before_n = len(gm.graph.nodes)
-            before_c = collective_counts(gm)
+            before_c = after_c if after_c is not None else collective_counts(gm)
             before_src = after_src if after_src is not None else _fingerprint(gm)
             t0 = time.perf_counter()
             try:
@@ -144,7 +165,7 @@ class PassManager:
             if out is None:
                 raise PassError(f"pass {name!r} returned None; a pass returns the graph module")
             after_src = _fingerprint(out)
-            changed = after_src != before_src
+            changed = not same_graph(before_src, after_src)
             if changed and out is gm:
                 # the code is generated again only for a graph changed in place; a pass that returns
                 # a new GraphModule returns it compiled, as fx.GraphModule's constructor leaves it
@@ -154,7 +175,8 @@ class PassManager:
             gm = out
             if changed or i == 1:  # an unchanged graph is the one verified after the pass before
                 verify(gm, name)
-            added = collective_counts(gm) - before_c
+            after_c = collective_counts(gm)
+            added = after_c - before_c
             rec = PassRecord(name, ms, before_n, len(gm.graph.nodes), tuple(sorted(added.items())), changed)
             self.records.append(rec)
             if self.dump_dir and changed:
