@@ -59,8 +59,6 @@ def search_sharding(plan: Plan, gm: fx.GraphModule, mesh, hardware: str | Hardwa
     dp x ep x micro-batches): the size the strategies run at. `group`: the (host) group the
     answer is broadcast on; None: the default group. `node_pins`: {axis: {node key: placement}}
     fixed for that axis's search (e.g. the nodes the expert pass needs replicated on tp)."""
-    from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415 - scipy's MILP: imported when a tp axis needs it
-
     for axis in SHARD_AXES:
         k = mesh.sizes.get(axis, 1)
         if k < 2 or axis in plan.strategies:
@@ -69,6 +67,10 @@ def search_sharding(plan: Plan, gm: fx.GraphModule, mesh, hardware: str | Hardwa
         if not dist.is_initialized() or dist.get_rank() == 0:
             pins = {name: lay[axis] for name, lay in plan.param_layouts.items() if axis in dict(lay.axes)}
             try:
+                # scipy's MILP (0.5 CPU-s to import): only where a tp axis is solved, not on the ranks
+                # that receive the answer nor on a mesh without tp; a failed import is reported below
+                from autopar.search.shard_ilp import solve_sharding  # noqa: PLC0415
+
                 sol = solve_sharding(gm, axis, k, mesh=dict(mesh.sizes), hardware=hardware, param_pins=pins,
                                      node_pins=(node_pins or {}).get(axis), sizes=micro_sizes(gm, plan, mesh),
                                      loss_parallel=plan.loss_parallel and axis == "tp")
