@@ -55,6 +55,16 @@ def _warm_before_worlds(request):
 
 
 
+def pytest_collection_modifyitems(config, items):
+    """AUTOPAR_TEST_FIRST="path.py ...": those test modules run first, in that order, the others
+    after them in their usual order (scripts/test.sh puts first the dist modules whose pytest
+    process works alone between worlds, while the other half of the suite still runs beside them)."""
+    first = os.environ.get("AUTOPAR_TEST_FIRST", "").split()
+    if first:
+        rank = {m: i for i, m in enumerate(first)}
+        items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(first)))  # stable: the rest keep their order
+
+
 _MODULE_SECONDS: dict[str, float] = {}
 _MODULE_CPU: dict[str, float] = {}
 
