@@ -23,13 +23,14 @@ fi
 export AUTOPAR_TEST_MODULE_TIMES=1  # each report ends with the seconds per test module (tests/conftest.py)
 # The worlds that mostly wait (a rank stuck or dead on purpose until a timeout names it; a torchrun
 # job killed and resumed) run in the single-process half: waiting there leaves both cores to the
-# dist half's worlds, which are the suite's longer half (measured: the single-process half ends
-# ~3 min before it).
+# dist half's worlds, which are the suite's longer half (measured: the single-process half ended
+# ~3 min before it). They run first there, so that their ranks fork from a process no unit test
+# has yet started a thread in (a fork can inherit a held lock: see above).
 waiting="tests/dist/test_mesh_timeout.py tests/dist/test_collective_timeouts.py tests/dist/test_collectives.py
          tests/dist/test_checkpoint_faults.py"
 log=$(mktemp)
 # shellcheck disable=SC2086
-python3 -m pytest tests/unit tests/bad_inputs $waiting -q --durations=5 -p no:cacheprovider >"$log" 2>&1 &
+python3 -m pytest $waiting tests/unit tests/bad_inputs -q --durations=5 -p no:cacheprovider >"$log" 2>&1 &
 single=$!
 set +e
 # First the dist modules whose pytest process works alone for long stretches (the zoo captures and
