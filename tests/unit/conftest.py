@@ -7,7 +7,8 @@ took 4.6 of its 21.6 CPU-s, 2.5 at (20000, 20, 20) in 74 runs (measured with `gc
 2026-11-26). Garbage is still collected, in fewer passes; what a test asserts is unchanged.
 
 It reads and writes no node.meta. Guarantees: only the thresholds change, in this pytest
-process (not in the subprocesses or gloo ranks a test starts, which set their own).
+process; gloo ranks forked from it inherit them (and freeze what they inherit at start,
+runtime/launch.py), subprocesses start with CPython's defaults.
 """
 import gc
 
