@@ -17,7 +17,7 @@ value; layout and local shape kept where the shape is unchanged, dropped where a
 a value). Guarantees: the graph computes the same values up to floating-point rounding (each
 rule's kernel is the same function); nodes are left in an order where each follows its inputs
 and otherwise keeps its old place; `gm.meta["autopar_fusions"]` lists what was fused
-({"rule", "module", "node": the fused call's name}).
+({"rule", "module", "node": the fused call's name, "anchor": the name of the match's anchor}).
 """
 from __future__ import annotations
 
@@ -49,18 +49,23 @@ def fuse(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
     return gm
 
 
-def apply_matches(gm: fx.GraphModule, matches: list[Match]) -> None:
+def apply_matches(gm: fx.GraphModule, matches: list[Match], sources: dict[str, str] | None = None) -> None:
     """Rewrite `gm` in place: each match (disjoint, as `find_matches` returns them) becomes a
-    fused call. Later matches may read outputs of earlier ones; those are remapped."""
+    fused call. Later matches may read outputs of earlier ones; those are remapped.
+    `sources`, when given, receives for every node created the name of the node it stands for
+    (the fused call and a cast of its output: the match's anchor; an item of a two-output call:
+    the output it replaces; an emitted reshape or matmul: the node it is modelled on), which is
+    where the cost model takes its layout from (cost/fused_graph.py)."""
     graph = gm.graph
+    src = sources if sources is not None else {}
     remap: dict[fx.Node, fx.Node] = {}
     done = []
     for m in matches:
         vals: dict = {}
         made: dict[int, fx.Node] = {}
         with graph.inserting_before(m.anchor):
-            args = _materialise(graph, m.args, remap, made, vals)
-            kwargs = _materialise(graph, m.kwargs, remap, made, vals)
+            args = _materialise(graph, m.args, remap, made, vals, src)
+            kwargs = _materialise(graph, m.kwargs, remap, made, vals, src)
             fn = KERNELS[m.kernel].fused
             call = graph.call_function(fn, tuple(args), dict(kwargs))
             # find_matches checked that the kernel gives each output's shape and dtype (or
@@ -68,15 +73,18 @@ def apply_matches(gm: fx.GraphModule, matches: list[Match]) -> None:
             if len(m.outputs) == 1 and not any(m.casts):
                 _annotate(call, m.anchor, m.outputs[0].meta["val"])
                 news = [call]
+                src[call.name] = m.anchor.name
             elif len(m.outputs) == 1:
                 val = m.outputs[0].meta["val"]
                 _annotate(call, m.anchor, val.to(torch.float32))
                 cast = graph.call_function(torch.ops.aten.to.dtype, (call, m.casts[0]))
                 _annotate(cast, m.anchor, val)
                 news = [cast]
+                src[call.name] = src[cast.name] = m.anchor.name
             else:
                 _annotate(call, m.anchor, tuple(o.meta["val"] for o in m.outputs), tuple_out=True)
                 news = []
+                src[call.name] = m.anchor.name
                 for i, old in enumerate(m.outputs):
                     item = graph.call_function(operator.getitem, (call, i))
                     # module of the fused call (a residual sum moves into the norm's module,
@@ -84,7 +92,8 @@ def apply_matches(gm: fx.GraphModule, matches: list[Match]) -> None:
                     # together); layout and local shape of the value it carries
                     _annotate(item, m.anchor, old.meta["val"], carries=old)
                     news.append(item)
-        done.append({"rule": m.rule, "module": m.module, "node": call.name})
+                    src[item.name] = old.name
+        done.append({"rule": m.rule, "module": m.module, "node": call.name, "anchor": m.anchor.name})
         for old, new in zip(m.outputs, news):
             old.replace_all_uses_with(new)
             remap[old] = new
@@ -99,21 +108,24 @@ def apply_matches(gm: fx.GraphModule, matches: list[Match]) -> None:
     gm.meta.setdefault("autopar_fusions", []).extend(done)
 
 
-def _materialise(graph: fx.Graph, a: Any, remap: dict, made: dict[int, fx.Node], vals: dict) -> Any:
-    """Match arguments -> graph arguments: nodes through `remap`, Emits created once each."""
+def _materialise(graph: fx.Graph, a: Any, remap: dict, made: dict[int, fx.Node], vals: dict,
+                 src: dict[str, str]) -> Any:
+    """Match arguments -> graph arguments: nodes through `remap`, Emits created once each
+    (`src`: each one's name -> the name of the node it is modelled on)."""
     if isinstance(a, fx.Node):
         return remap.get(a, a)
     if isinstance(a, Emit):
         if id(a) not in made:
-            node = graph.call_function(a.target, tuple(_materialise(graph, a.args, remap, made, vals)),
-                                       dict(_materialise(graph, a.kwargs, remap, made, vals)))
+            node = graph.call_function(a.target, tuple(_materialise(graph, a.args, remap, made, vals, src)),
+                                       dict(_materialise(graph, a.kwargs, remap, made, vals, src)))
             _annotate(node, a.like, value_of(a, vals))
+            src[node.name] = a.like.name
             made[id(a)] = node
         return made[id(a)]
     if isinstance(a, (list, tuple)):
-        return type(a)(_materialise(graph, b, remap, made, vals) for b in a)
+        return type(a)(_materialise(graph, b, remap, made, vals, src) for b in a)
     if isinstance(a, dict):
-        return {k: _materialise(graph, v, remap, made, vals) for k, v in a.items()}
+        return {k: _materialise(graph, v, remap, made, vals, src) for k, v in a.items()}
     return a
 
 

@@ -7,8 +7,9 @@ Sections, each a row (or rows) of the table, each OK or FAIL with the reason:
            kernels compiled for the device (the interpreter only where there is no GPU).
 * train    parallelize at world 1 (NCCL) on a Llama-style GPT of about 1 B parameters, bf16,
            batch 4 x 2048, AdamW: plain DP, ZeRO-1/2/3, fusions off (the default lets the cost
-           model pick the Triton fusions), recompute (memory_budget=0.5), and ZeRO-3 with
-           offload through the runtime engine (parallelize has no offload option yet). Each
+           model pick the Triton fusions), recompute (memory_budget=0.5), pure bf16 (dp and
+           ZeRO-3; the others bf16-mixed), ZeRO-3 with offload through parallelize and through
+           the runtime engine on the eager module. Each
            row: the median step time, its ratio to eager PyTorch and to torch.compile measured
            in the same run, the cost model's predicted step time and peak memory against the
            measured ones (torch.cuda.max_memory_allocated), and the first loss against
@@ -292,7 +293,8 @@ def check_training(ctx: Ctx) -> None:
                        ("zero3", {"zero_stage": 3}), ("fusions off", {"pins": {"fusions": []}}),
                        ("recompute 0.5", {"memory_budget": 0.5}),
                        # the rows above train the bf16 model bf16-mixed (parallelize's default for a
-                       # 16-bit model); this one pure bf16 (the dry run passes the same path in fp32)
+                       # 16-bit model); these two pure bf16 (the dry run passes the same path in fp32)
+                       ("dp " + ("fp32" if ctx.dry else "bf16 pure"), {"precision": "fp32" if ctx.dry else "bf16"}),
                        ("zero3 " + ("fp32" if ctx.dry else "bf16 pure"),
                         {"zero_stage": 3, "precision": "fp32" if ctx.dry else "bf16"}),
                        ("zero3 offload", {"zero_stage": 3, "offload": True})):

@@ -17,6 +17,9 @@ then takes those peaks instead of estimating the same split again: one estimate 
 pipeline's own (`plan.extra["pipeline"]`: the simulated schedule and the per-pp-rank peaks,
 build/pipeline.py) where the estimate could not cost the pipeline (a split chosen at the cut).
 
+A plan with fusions is estimated on the global graph with them applied, as the rank's graph
+runs them (`cost.estimate` fuses a copy: cost/fused_graph.py).
+
 The global graph's estimate depends only on that graph, the plan and the hardware: rank 0
 makes it and every rank whose plan carries the same recompute choice takes it (build/rank0.py),
 reusing the cost analysis the fusion search made (`cost`, build/plan_complete.py); a rank whose
@@ -70,7 +73,9 @@ def _predicted(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, 
         if static:
             est = cost_estimate(local_gm, plan, hardware)
         else:
-            est = cost_estimate(cost if cost is not None else global_gm, plan, hardware, batch_is_global=True)
+            # with fusions the graph itself: estimate costs a fused copy of it (cost/fused_graph.py)
+            src = global_gm if plan.fusions or cost is None else cost
+            est = cost_estimate(src, plan, hardware, batch_is_global=True, analysis=cost if plan.fusions else None)
         predicted = est.summary()
         per_rank = est.memory.get("peak_per_pp_rank")
         if per_rank is not None and (static or plan.mesh.get("ep", 1) > 1 or not plan.schedule):

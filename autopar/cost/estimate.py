@@ -82,7 +82,16 @@ offload's CPU step (the device step is priced). Measured against whole training 
 
 Recompute (`Plan.recompute`, `Plan.extra["recompute_save"]`): the activation walk is
 `cost.timeline` over the checkpointed regions (what autograd keeps, what is recomputed in
-backward), and the recomputed forward ops' time is added to the backward (`recompute_s`).
+backward), and the recomputed forward ops' time is added to the backward (`recompute_s`), with
+the host time of torch's selective-checkpoint dispatch mode for selective regions (the
+profile's `selective_node_s` per node of the region, in its forward and its recompute).
+
+Fusions (`Plan.fusions`): on a GPU profile the graph costed is a copy with the plan's fusions
+applied by the fuse pass the rank runs (`cost/fused_graph.py`): each fused kernel is one op
+with its own traffic and saved tensors, the plan's node keys carried over. On a CPU profile
+the fused calls run their torch references and the graph is costed unfused; a GraphCost given
+alone has no graph to fuse (noted). The joint planner ranks candidates unfused
+(`search.plan_write.unfused`).
 
 Tensor-parallel plug-in: `Plan.node_layouts` maps a node key ("<module path>:<op>#<k>") to its
 output layout; a node's compute is divided by the sizes of the axes where its output is
@@ -113,6 +122,7 @@ from autopar.passes.plan import Plan, torch_dtype
 
 from . import comm as C
 from .estimate_report import CommReport, Estimate, LayerReport
+from .fused_graph import fused_copy
 from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
 from .comm import joined_data_axis
@@ -155,6 +165,23 @@ def _pipeline_peaks(gc: GraphCost, plan: Plan, pp: int, stage_memory, zero3_tran
     return rank_peaks(sched, mems, zero3_transient), sched, graphs, mems
 
 
+def _with_fusions(gm, plan: Plan, hw: Hardware, kernels, analysis):
+    """(graph, plan, analysis, note): `plan.fusions` applied to a copy of the graph where they run
+    as fused kernels (cost/fused_graph.py), else the graph as given and why."""
+    if not plan.fusions:
+        return gm, plan, analysis, None
+    if hw.device.kind != "cuda":
+        return gm, plan, analysis, (f"fusions costed unfused: on {hw.name} ({hw.device.kind}) the fused calls run "
+                                    "their torch references, the same ops")
+    if not isinstance(gm, fx.GraphModule):
+        return gm, plan, analysis, "fusions costed unfused: a GraphCost has no graph to fuse (pass the GraphModule)"
+    got = fused_copy(gm, plan, hw, kernels=kernels, analysis=analysis)
+    if got is None:
+        return gm, plan, analysis, "plan.fusions match nothing in this graph (fused already): costed as it is"
+    fused, plan, n = got
+    return fused, plan, None, f"fusions: {n} matches of plan.fusions costed as their fused kernels"
+
+
 def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,
              sizes: Mapping[str, int] | None = None, global_batch: int | None = None,
              batch_is_global: bool = False,
@@ -186,13 +213,14 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     """
     t0 = time.perf_counter()
     hw = load_profile(hardware)
-    gc = analysis if analysis is not None else gm if isinstance(gm, GraphCost) else analyze(gm, hw, kernels=kernels)
     plan = plan or Plan(mesh={"dp": 1})
+    gm, plan, analysis, fusion_note = _with_fusions(gm, plan, hw, kernels, analysis)
+    gc = analysis if analysis is not None else gm if isinstance(gm, GraphCost) else analyze(gm, hw, kernels=kernels)
     param_dt = torch_dtype(plan.param_dtype)
     if param_dt is not None:  # the engine casts every floating parameter (not buffers) to it
         gc = dataclasses.replace(gc, params=with_param_dtype(gc.params, param_dt))
     mesh = dict(plan.mesh)
-    notes: list[str] = []
+    notes: list[str] = [fusion_note] if fusion_note else []
     world = math.prod(mesh.values())
     if world > hw.world_size:  # more ranks than the profile has: more nodes of the same kind
         nodes = -(-world // hw.gpus_per_node)
@@ -531,8 +559,6 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     if (plan.split_points or plan.schedule) and "peak_per_pp_rank" not in memory:
         notes.append("pipeline stages: time and memory costed as one stage until split_points are set (then the "
                      "schedule's step and memory['peak_per_pp_rank'])")
-    if plan.fusions:
-        notes.append("fusions are not modelled yet: ops are costed unfused")
     notes.append(f"graph costed per micro-batch of sizes {dict((str(k), v) for k, v in values.items()) or 'static'}")
     return Estimate(
         hardware=hw.name, mesh=mesh, zero_stage=zero, sizes={str(k): int(v) for k, v in values.items()},

@@ -46,6 +46,15 @@ from .compute_tables import ComputeTable, table_from_dict
 # host <-> device defaults for profiles without a "host" section (offload pricing)
 DEFAULT_HOST_BANDWIDTH = 25e9  # bytes/s per direction: pinned copies over PCIe 4.0/5.0 x16 as typically measured, not the link's peak
 DEFAULT_HOST_MEMORY_BANDWIDTH = 50e9  # bytes/s of CPU DRAM one device's optimizer step gets (a server's ~400 GB/s over 8 GPUs)
+# host seconds per graph node of a selective checkpoint region, per pass (its forward and its
+# recompute): torch's selective-checkpoint dispatch mode runs Python for every ATen op inside the
+# region (about 2 ops per captured node), caching or replaying its output, and on a GPU that host
+# time is exposed where it exceeds the kernels' (passes/recompute.py CheckpointRegion). Measured
+# 2026-11-26 on the 2-core development host (torch 2.13): a 16-block GPT at width 64 trained 81 ms
+# a step with every block selective against 43 ms fully checkpointed, 22 us per node per pass;
+# torch.utils.checkpoint alone on a chain of small ops, 16-22 us per op over plain checkpointing.
+# The same figure serves the GPU profiles until measured on a GPU host (not done yet).
+DEFAULT_SELECTIVE_NODE_S = 20e-6
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -105,6 +114,7 @@ class Hardware:
     # defaults above
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH
+    selective_node_s: float = DEFAULT_SELECTIVE_NODE_S  # the "host" section's selective_checkpoint_node_s
     compute: ComputeTable | None = None  # efficiency by shape; None: the flat factors alone
     # compute slowdown while a collective overlaps it, per link kind: compute time x (1 + k)
     # over the overlapped interval (the profile's optional "contention" section; 0: none)
@@ -196,7 +206,8 @@ class Hardware:
             "efficiency": dict(d["efficiency"]), "fp32_matmul": d["fp32_matmul"],
             "kernel_overhead_s": d["kernel_overhead_s"], "kernels": dict(d["kernels"]),
             "calibration": dict(d["calibration"]),
-            "host": {"bandwidth": d["host_bandwidth"], "memory_bandwidth": d["host_memory_bandwidth"]},
+            "host": {"bandwidth": d["host_bandwidth"], "memory_bandwidth": d["host_memory_bandwidth"],
+                     "selective_checkpoint_node_s": d["selective_node_s"]},
             "contention": dict(d["contention"]),
             **({"compute": self.compute.to_dict()} if self.compute is not None else {}),
         }  # fmt: skip
@@ -288,6 +299,7 @@ def from_dict(d: Mapping[str, Any]) -> Hardware:
             calibration=dict(d.get("calibration", {})),
             host_bandwidth=float(d.get("host", {}).get("bandwidth", DEFAULT_HOST_BANDWIDTH)),
             host_memory_bandwidth=float(d.get("host", {}).get("memory_bandwidth", DEFAULT_HOST_MEMORY_BANDWIDTH)),
+            selective_node_s=float(d.get("host", {}).get("selective_checkpoint_node_s", DEFAULT_SELECTIVE_NODE_S)),
             compute=table_from_dict(d["compute"], d.get("name", "?")) if d.get("compute") is not None else None,
             contention=_contention(d),
         )  # fmt: skip

@@ -27,7 +27,10 @@ backward   as `memory.liveness`: gradient buffers reference-counted through view
 The bytes held at the end of the forward (`Timeline.saved`) are what saved_tensors_hooks
 see (autograd's saved tensors and the regions' inputs) plus what the selective cache keeps.
 Recomputation's FLOPs (FlopCounterMode convention) and time (the hardware profile's roofline,
-`estimate`'s per-node times) are the forward costs of the nodes recomputed; `region_recompute` gives one region's without the
+`estimate`'s per-node times) are the forward costs of the nodes recomputed, plus, for a selective
+region (one that saves some of its nodes), the host time of torch's selective-checkpoint dispatch
+mode over all its nodes in the forward and again in the recompute (the profile's
+`selective_node_s`: cost/hardware.py); `region_recompute` gives one region's without the
 walk (the planner prices a pipeline stage's recompute per block with it).
 
 For the recompute search the walk can attribute memory to *segments* (consecutive runs of
@@ -445,6 +448,8 @@ def _recompute_cost(r: Region, seq: Sequence[int], nodes, ev, timer, cdiv) -> tu
         if n.kind not in ("view", "none"):
             secs += timer.node(n, d)[0]
             done += 1
+    if r.save:  # selective: the dispatch mode's host time over the region, in its forward and its recompute
+        secs += 2 * len(r.nodes) * timer.hw.selective_node_s
     return flops, secs, done
 
 
@@ -475,11 +480,14 @@ def node_timer(gc: GraphCost, hardware: Any, vals):
 
 # ------------------------------------------------------------------------ plans -> regions
 def communicates(n) -> bool:
-    """A node calling an autopar collective (not the local ones: leaf, split, to_partial)."""
+    """A node calling an autopar collective (not the local ones: leaf, split, to_partial), as
+    `passes.recompute.is_collective` decides: a `torch.ops.autopar` op, named
+    "autopar.<op>.<overload>". A fused kernel (a Python function under autopar.runtime.kernels,
+    named by its module path) computes locally and is recomputed like any other op."""
     from autopar.passes.recompute import LOCAL_AUTOPAR_OPS
 
-    p = packet_name(n.op)
-    return p.startswith("autopar.") and p.split(".", 1)[1] not in LOCAL_AUTOPAR_OPS
+    parts = n.op.split(".")
+    return len(parts) == 3 and parts[0] == "autopar" and parts[1] not in LOCAL_AUTOPAR_OPS
 
 
 def regions_for(gc: GraphCost, modes: Mapping[str, str], save: Mapping[str, Sequence[str]] | None = None, *,

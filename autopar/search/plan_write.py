@@ -26,7 +26,14 @@ from autopar.search.candidate import Evaluation, plain
 from autopar.search.expert import grouped_expert_layouts
 from autopar.search.explain import PlanReport, gib, seconds
 
-__all__ = ["write_plan"]
+__all__ = ["unfused", "write_plan"]
+
+
+def unfused(plan: Plan) -> Plan:
+    """A copy of `plan` without its fusions: the plan as the planner ranked it."""
+    out = copy.copy(plan)
+    out.fusions = []
+    return out
 
 
 def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:

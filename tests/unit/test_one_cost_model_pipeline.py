@@ -94,6 +94,7 @@ def _pipelines(gm, hw: str, pins=None, world: int = WORLD, keep=lambda c: True, 
         ev = s._evaluate(c)
         assert ev is not None and ev.feasible, c.label()
         plan = write_plan(s, ev, s._report(ev, [ev], 0.0))
+        plan.fusions = []  # the planner ranks candidates unfused (see the module docstring)
         if plans is not None:
             plans[c] = plan
         e = estimate(gm, plan, hw, batch_is_global=True, analysis=gc)

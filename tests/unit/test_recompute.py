@@ -436,3 +436,28 @@ def test_a_region_preserves_the_rng_state_only_when_it_may_draw_random_numbers()
     assert draws_random(body(lambda g, a: g.call_function(rng.dropout, (a, 0.1)), 1))  # the program's dropout
     assert not draws_random(body(lambda g, a, b: g.call_function(kernels.swiglu, (a, b)), 1, 1))
     assert draws_random(body(lambda g, a: g.call_function(lambda t: t * 2, (a,)), 1))  # unknown: counted as random
+
+
+def test_a_selective_region_pays_the_dispatch_modes_host_time_in_its_forward_and_its_recompute():
+    """torch's selective-checkpoint dispatch mode runs Python for every op of the region, in the
+    forward and again in the recompute: `selective_node_s` per node per pass, on top of the
+    recomputed kernels; a fully checkpointed region (no dispatch mode) pays none of it."""
+    import dataclasses
+
+    from autopar.cost import load_profile
+    from autopar.cost.timeline import region_recompute
+
+    gm, _ = captured("gpt")
+    hw = load_profile("h100-sxm")
+    assert hw.selective_node_s > 0
+    none = dataclasses.replace(hw, selective_node_s=0.0)
+    gc = analyze(gm, hw)
+    for mode, pays in (("selective", True), ("full", False)):
+        regs = regions_for(gc, {"layers.0": mode, "layers.1": mode})
+        assert bool(regs[0].save) == pays  # selective keeps its matmuls' outputs; full keeps nothing
+        extra = timeline(gc, regs, hardware=hw).recompute_s - timeline(gc, regs, hardware=none).recompute_s
+        want = sum(2 * len(r.nodes) for r in regs) * hw.selective_node_s if pays else 0.0
+        assert extra == pytest.approx(want, rel=1e-9, abs=1e-15), mode
+        per_region = sum(region_recompute(gc, r, hardware=hw)[1] - region_recompute(gc, r, hardware=none)[1]
+                         for r in regs)
+        assert per_region == pytest.approx(want, rel=1e-9, abs=1e-15), mode
