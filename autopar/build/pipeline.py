@@ -144,8 +144,7 @@ def choose_stages(global_gm: fx.GraphModule, plan: Plan, mesh: Mesh, *, hardware
         "step_s": res.step_s, "bubble": res.bubble, "hardware": res.hardware, "search_s": round(res.seconds, 3),
         "rank_memory_source": "stage search",
     }  # fmt: skip
-    if (gc is not None and plan.mesh.get("ep", 1) == 1
-            and any(str(k) == "b" for k in gc.values())):  # a static batch: the global graph is not a rank's
+    if gc is not None and any(str(k) == "b" for k in gc.values()):  # a static batch: the global graph is not a rank's
         _estimated_rank_memory(gc, plan, hw, name)
     return res
 

@@ -78,7 +78,7 @@ def _predicted(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModule, 
             est = cost_estimate(src, plan, hardware, batch_is_global=True, analysis=cost if plan.fusions else None)
         predicted = est.summary()
         per_rank = est.memory.get("peak_per_pp_rank")
-        if per_rank is not None and (static or plan.mesh.get("ep", 1) > 1 or not plan.schedule):
+        if per_rank is not None and (static or not plan.schedule):
             per_rank = None  # the stage search's figures stand there (build/pipeline.py)
         if per_rank is not None:  # the pipeline's own figures (see the module docstring)
             predicted.update(peak_bytes_per_pp_rank=[float(x) for x in per_rank],

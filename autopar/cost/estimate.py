@@ -491,7 +491,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
               "offloaded": float(offloaded)}
     pp = mesh.get("pp", 1)
     if pp > 1 and plan.split_points:  # per pipeline rank: its stage's states and walk
-        got = _pipeline_peaks(gc, plan, pp, stage_memory, transient if dp > 1 and zero == 3 else 0.0, notes, regions)
+        # the stages hold this rank's parameters only (with ep, not the other ranks' experts)
+        got = _pipeline_peaks(dataclasses.replace(gc, params=rank_params), plan, pp, stage_memory,
+                              transient if dp > 1 and zero == 3 else 0.0, notes, regions)
         if got:
             memory["peak_per_pp_rank"] = [float(x) for x in got[0]]
             memory["peak"] = peak = float(max(got[0]))

@@ -14,7 +14,8 @@ module and op) shift where ops were fused away, so the plan is re-keyed for the 
 an item of a two-output call the output it replaces, an emitted reshape or matmul the node
 it is modelled on: `fuse.apply_matches(sources=)`), and `extra["recompute_save"]` likewise
 (a saved node fused away: the fused call that computes it) unless its keys are the copy's
-already (a recompute choice made on the rank's fused graph, as `build/program.py` makes it).
+already (a recompute choice made on the rank's fused graph, as `build/program.py` makes it),
+and the node keys inside `extra["expert"]` and `extra["router_stats"]` likewise.
 
 The matches are found on the graph given, the global graph where `autopar.parallelize` costs
 its plan; the rank's graph is fused after sharding, where a collective between two ops of a
@@ -37,7 +38,10 @@ from .fused import register_fused_cost_rules
 from .graph import GraphCost, analyze
 from .hardware import Hardware
 
-__all__ = ["fused_copy"]
+__all__ = ["KEYED_EXTRAS", "fused_copy"]
+
+# plan.extra entries that name nodes by key (made on the unfused global graph: build/plan_complete.py)
+KEYED_EXTRAS = ("expert", "router_stats")
 
 
 def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: Mapping[str, Any] | None = None,
@@ -60,7 +64,8 @@ def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: M
     apply_matches(copy, matches, sources)
     new_plan = plan
     save = dict(plan.extra.get("recompute_save") or {})
-    if plan.node_layouts or save:
+    keyed = [k for k in KEYED_EXTRAS if plan.extra.get(k)]
+    if plan.node_layouts or save or keyed:
         old = analysis if analysis is not None else analyze(gm, hardware, kernels=kernels)
         new = analyze(copy, hardware, kernels=kernels)
         old_key = {n.name: n.key for n in old.nodes}
@@ -74,15 +79,32 @@ def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: M
             if lay is not None:
                 layouts[key] = lay
         extra = dict(plan.extra)
+        anchor_call = {d["anchor"]: d["node"] for d in copy.meta["autopar_fusions"]}
+        by_old_key = {k: n for n, k in old_key.items()}
         if save and not all(k in new_keys for keys in save.values() for k in keys):
             # keys of the unfused graph (a recompute choice made there): re-keyed; keys the copy
             # has already (a choice made on the rank's fused graph, build/program.py) stay
-            anchor_call = {d["anchor"]: d["node"] for d in copy.meta["autopar_fusions"]}
-            by_old_key = {k: n for n, k in old_key.items()}
             extra["recompute_save"] = {path: _rekey(keys, by_old_key, new_key, fused_of, anchor_call)
                                        for path, keys in save.items()}
+        if keyed:  # the expert entry and the router statistics name nodes of the unfused graph
+            table = {k: got[0] for k in by_old_key
+                     if (got := _rekey([k], by_old_key, new_key, fused_of, anchor_call))}
+            for k in keyed:
+                extra[k] = _deep_rekey(plan.extra[k], table)
         new_plan = dataclasses.replace(plan, node_layouts=layouts, extra=extra)
     return copy, new_plan, len(matches)
+
+
+def _deep_rekey(obj: Any, table: dict[str, str]) -> Any:
+    """`obj` (plain data: dicts, lists, tuples, strings ...) with every string that is an old node
+    key replaced by the copy's key for it (all at once: keys that shift do not chain)."""
+    if isinstance(obj, str):
+        return table.get(obj, obj)
+    if isinstance(obj, dict):
+        return {_deep_rekey(k, table): _deep_rekey(v, table) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_deep_rekey(v, table) for v in obj)
+    return obj
 
 
 def _rekey(keys, by_old_key: dict[str, str], new_key: dict[str, str], fused_of: dict[str, str],
