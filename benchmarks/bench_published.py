@@ -114,8 +114,9 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   under full recompute (20.5 GiB), and the same repeat_kv copies of k and v (torchtitan's
   llama model.py calls repeat_kv too).
 * ours-1.1b -- measured here: the 1.1 B Llama-style GPT of scripts/gpu_check, bf16-mixed,
-  batch 4 x 2048, one H100 (world 1, profile h100-sxm), 122 ms per step
-  (benchmarks/RESULTS.md, the "autopar dp" row of the gpu_check table, 2026-11-25).
+  batch 4 x 2048, one H100 (world 1, profile h100-sxm), 123 ms per step (benchmarks/RESULTS.md,
+  the "autopar dp" row of the gpu_check table, 2026-11-26; 122 ms on 2026-11-25). It ran with
+  the plan's Triton fusions, so it is priced with them (`plan.predicted["with_fusions"]`).
 
 Columns: the plan as costed (the pinned Plan's mesh, ZeRO stage, micro-batches, schedule with
 its interleaving depth, recompute units "rcN" the planner added where recompute was not
@@ -227,6 +228,8 @@ class Row:
     layer_ms: tuple[float, float] | None = None  # published (forward, backward) ms of one transformer block per step
     loss_parallel: bool = False  # the run kept the logits vocab-sharded (torchtitan's loss_parallel, Megatron's
     # vocab_parallel_cross_entropy): the planner's "loss_parallel" pin
+    our_fusions: bool = False  # the run was autopar's, with the plan's Triton fusions: priced with them
+    # (`plan.predicted["with_fusions"]`, search/plan_write.price_fusions), as it ran
 
 
 def _mega(key, h, a, L, tp, pp, batch, t, micro=1, layer_ms=None):
@@ -248,7 +251,8 @@ OURS_1B = dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8
 
 ROWS: dict[str, Row] = {r.key: r for r in [
     Row("ours-1.1b", ("gpt", OURS_1B), 1, "h100-sxm", 2048, 4, {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0,
-        "n_microbatches": 1, "recompute": "none"}, "step_s", 0.122, "benchmarks/RESULTS.md gpu_check, measured"),
+        "n_microbatches": 1, "recompute": "none"}, "step_s", 0.123, "benchmarks/RESULTS.md gpu_check, measured",
+        our_fusions=True),
     _mega("megatron-22b", 6144, 64, 48, 8, 1, 4, 1.10, micro=4,  # Table 3: micro-batch 4 = the global batch
           layer_ms=(7.2, 11.8)),  # Table 4, "sequence parallelism" (no recompute, as costed): one layer
     _mega("megatron-175b", 12288, 96, 96, 8, 8, 64, 13.75),
@@ -314,13 +318,18 @@ def hardware(row: Row, attention: str = "flash"):
     return hw
 
 
+def as_ran(row: Row, plan) -> dict:
+    """The plan's predicted figures as the row's run ran: with autopar's fusions where it had them."""
+    return {**plan.predicted, **plan.predicted.get("with_fusions", {})} if row.our_fusions else plan.predicted
+
+
 def figure(row: Row, predicted: dict) -> float:
     """The predicted figure in the published metric."""
     if row.metric == "step_s":
         return float(predicted["step_s"])
     if row.metric == "mfu":
         return float(predicted["mfu"])
-    return float(predicted["tokens_per_s"]) / row.gpus
+    return float(predicted["tokens_per_s"]) / row.gpus  # (not in with_fusions: no fused row measures tokens/s)
 
 
 def fmt(row: Row, v: float | None) -> str:
@@ -392,10 +401,11 @@ def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, atte
         out["over_memory"] = str(e)
         plan, _ = plan_for(gm, row.gpus, hw, memory_limit=UNLIMITED, **pinned)
     out["plan"] = plan
-    out["predicted"] = figure(row, plan.predicted)
+    pred = as_ran(row, plan)
+    out["predicted"] = figure(row, pred)
     out["error"] = out["predicted"] / row.published - 1
-    out["peak_gib"] = float(plan.predicted["peak_bytes"]) / 2**30
-    out["predicted_step_s"] = float(plan.predicted["step_s"])
+    out["peak_gib"] = float(pred["peak_bytes"]) / 2**30
+    out["predicted_step_s"] = float(pred["step_s"])
     if row.loss_parallel and not plan.loss_parallel:
         raise RuntimeError(f"{row.key}: the planner did not write loss_parallel into the pinned plan")
     if planner:
@@ -403,7 +413,7 @@ def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, atte
             pplan, _ = plan_for(gm, row.gpus, hw, global_batch=row.global_batch, allow=ALLOW, memory_limit=limit,
                                 top_k=1)
             out["planner_plan"] = pplan
-            out["planner_figure"] = figure(row, pplan.predicted)
+            out["planner_figure"] = figure(row, as_ran(row, pplan))
         except ValueError as e:
             out["planner_error"] = str(e)
     out["seconds"] = time.perf_counter() - t0

@@ -26,7 +26,7 @@ from autopar.search.candidate import Evaluation, plain
 from autopar.search.expert import grouped_expert_layouts
 from autopar.search.explain import PlanReport, gib, seconds
 
-__all__ = ["unfused", "write_plan"]
+__all__ = ["price_fusions", "unfused", "write_plan"]
 
 
 def unfused(plan: Plan) -> Plan:
@@ -34,6 +34,32 @@ def unfused(plan: Plan) -> Plan:
     out = copy.copy(plan)
     out.fusions = []
     return out
+
+
+def price_fusions(plan: Plan, gm: Any, hw: Any, global_batch: int | None) -> None:
+    """`plan.predicted["with_fusions"]`: the planner's step time, peak and MFU moved by what the
+    plan's fusions change in `cost.estimate` (the plan fused minus `unfused(plan)`), on a GPU
+    profile (a CPU runs the fused calls' torch references: nothing changes there). The ranking
+    stays the unfused one; a failure is a note, never an error."""
+    if not plan.fusions or hw.device.kind != "cuda":
+        return
+    from autopar.cost import estimate  # noqa: PLC0415
+    from autopar.search.shard_search import batch_is_static  # noqa: PLC0415
+
+    try:
+        kw = {} if batch_is_static(gm) else {"global_batch": global_batch} if global_batch else {"batch_is_global": True}
+        fused, bare = (estimate(gm, p, hw, **kw) for p in (plan, unfused(plan)))
+    except Exception as e:  # noqa: BLE001 - the plan stands; its figures stay the ranking's, and say so
+        plan.notes.append(f"fusions not priced in plan.predicted ({type(e).__name__}: {str(e)[:120]})")
+        return
+    pr = plan.predicted
+    step = pr["step_s"] + fused.step_s - bare.step_s
+    pr["with_fusions"] = plain({
+        "step_s": step, "peak_bytes": pr["peak_bytes"] + fused.memory["peak"] - bare.memory["peak"],
+        "mfu": pr["mfu"] * pr["step_s"] / step if pr.get("mfu") and step > 0 else pr.get("mfu"),
+        "fusions": list(plan.fusions)})
+    plan.notes.append(f"with its fusions ({', '.join(plan.fusions)}): predicted step {seconds(step)}, peak "
+                      f"{gib(pr['with_fusions']['peak_bytes'])} (the ranking above is unfused)")
 
 
 def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:

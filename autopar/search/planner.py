@@ -89,7 +89,7 @@ from autopar.search.explain import (DIMENSIONS, PlanReport, context_rows, dimens
 from autopar.search.plan_cache import PLANNER_VERSION, cache_key, disk_get, disk_put, graph_fingerprint
 from autopar.search.plan_cost import PlanCostModel
 from autopar.search.plan_pins import normalise_pins, world_size
-from autopar.search.plan_write import write_plan
+from autopar.search.plan_write import price_fusions, write_plan
 
 __all__ = ["plan_for", "PlanReport", "candidates", "graph_fingerprint", "RUNTIME_SUPPORT", "PLANNER_VERSION",
            "clear_cache"]
@@ -378,6 +378,7 @@ class _Search:
         chosen = best[0]
         report = self._report(chosen, best, time.perf_counter() - t_start)
         plan = write_plan(self, chosen, report)
+        price_fusions(plan, self.gm, self.hw, self.model.global_batch)
         return plan, report
 
     def model_optimistic(self, c: Candidate) -> tuple[float, float]:

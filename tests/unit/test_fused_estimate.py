@@ -139,3 +139,26 @@ def _with_all_reduce() -> fx.GraphModule:
     y.meta["val"] = torch.empty(4, 8)
     g.output(y)
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_the_planners_plan_carries_its_figures_with_the_fusions_priced():
+    """The planner ranks unfused; the plan it returns also says what its fusions change:
+    `plan.predicted["with_fusions"]` = its figures + (estimate fused - estimate unfused)."""
+    from autopar.search.plan_write import unfused
+    from autopar.search.planner import clear_cache, plan_for
+
+    gm = graph()
+    clear_cache()
+    plan, _ = plan_for(gm, 2, HW)
+    assert plan.fusions, "the fusion search chose nothing: the test would check nothing"
+    pr = plan.predicted
+    fused = estimate(gm, plan, HW, batch_is_global=True)
+    bare = estimate(gm, unfused(plan), HW, batch_is_global=True)
+    got = pr["with_fusions"]
+    assert got["step_s"] == pytest.approx(pr["step_s"] + fused.step_s - bare.step_s, rel=1e-9)
+    assert got["peak_bytes"] == pytest.approx(pr["peak_bytes"] + fused.memory["peak"] - bare.memory["peak"], rel=1e-9)
+    assert got["step_s"] < pr["step_s"] and got["peak_bytes"] <= pr["peak_bytes"]  # equal where the peak is not where a fusion saves
+    assert any(n.startswith("with its fusions") for n in plan.notes)
+    clear_cache()
+    cpu, _ = plan_for(gm, 2, "cpu-gloo")
+    assert not cpu.fusions and "with_fusions" not in cpu.predicted  # no Triton there: nothing to price
