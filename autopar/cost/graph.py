@@ -328,7 +328,7 @@ class _Analyzer:
             return
         ins = _flat_ins((node.args, node.kwargs), env)
         c = Call(node, f"module.{node.target}", (), {}, ins, flat)
-        self._record(node, c, O.fallback(c), list(c.ins), True, layer, module, fallback_saved=True)
+        self._record(node, c, O.fallback(c), list(c.ins), True, layer, module)
 
     def _call(self, node: fx.Node, env, grad_enabled: bool, layer, module) -> None:
         target = node.target

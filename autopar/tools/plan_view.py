@@ -84,6 +84,9 @@ def plan_tables(r: PlanResult, top: int = 1):
     ]
     if p.mesh.get("pp", 1) > 1 and "pipeline_bubble" in pred:
         rows.append(("  pipeline bubble", f"{pred['pipeline_bubble']:.1%}"))
+    fused = pred.get("with_fusions")
+    if fused:  # the ranking above is unfused; what runs has the plan's Triton fusions
+        rows.append(("with its fusions: step, peak / rank", f"{_ms(fused.get('step_s'))}, {_bytes(fused.get('peak_bytes'))}"))
     for k, v in rows:
         t.add_row(k, v)
     out = [t]

@@ -461,3 +461,14 @@ def test_a_selective_region_pays_the_dispatch_modes_host_time_in_its_forward_and
         per_region = sum(region_recompute(gc, r, hardware=hw)[1] - region_recompute(gc, r, hardware=none)[1]
                          for r in regs)
         assert per_region == pytest.approx(want, rel=1e-9, abs=1e-15), mode
+
+
+def test_a_graph_holding_checkpoint_regions_is_analysed_with_each_region_as_one_fallback_op():
+    """A rank's graph after the recompute pass calls its regions as submodules; `cost.analyze`
+    costs each such call as one op of unknown cost (it raised TypeError before) and says so."""
+    gm, _ = captured("gpt")
+    out = rewritten(gm, {"layers.0": "full", "layers.1": "selective"})
+    gc = analyze(out, "cpu-gloo")
+    regions = [n for n in gc.nodes if n.op.startswith("module.")]
+    assert len(regions) == 2, [n.op for n in gc.nodes][:20]
+    assert sum(gc.unknown_ops.values()) >= 2
