@@ -92,13 +92,18 @@ class Program(nn.Module):
             ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"), the default micro-batch count
             of `step`, and groups ((stage_a, name_a), (stage_b, name_b), ...) of one weight held
             on several stages.
+        shard_one_rank: False runs ZeRO 1-3 as the plain engine where the data-parallel axis has
+            one rank (nothing to shard: a stage-3 gather would only pack and unpack), unless
+            offloading (ZeRO-3 offload holds no parameter on the device at rest); the build
+            passes False, as cost.estimate prices dp = 1. `self.zero_stage` is the stage run.
     """
 
     def __init__(self, stages: nn.Module | Mapping[int, nn.Module], mesh: Mesh, *, dp_axis: str | None = "dp",
                  cp_axis: str | None = None, ep_axis: str | None = None, expert_params: Sequence[str] = (),
                  zero_stage: int = 0, bucket_mb: float = 25.0, engine_options: dict | None = None,
                  in_spec=None, out_spec=None, sync_init: bool = True, pp_axis: str = "pp", n_stages: int = 1,
-                 schedule: str = "1f1b", n_microbatches: int = 1, tied: Sequence[TiedPair] = ()):
+                 schedule: str = "1f1b", n_microbatches: int = 1, tied: Sequence[TiedPair] = (),
+                 shard_one_rank: bool = True):
         super().__init__()
         stages = {0: stages} if isinstance(stages, nn.Module) else dict(stages)
         self.mesh, self.pp_axis = mesh, pp_axis
@@ -140,7 +145,10 @@ class Program(nn.Module):
             for name in expert_params:  # each ep rank holds other experts: a norm counts them all once
                 mp[name] = tuple(sorted(set(mp.get(name, ())) | {self.ep_axis}))
             opts["model_parallel"] = mp
-        engines = {s: make_engine(stages[s], mesh, self.dp_axis, zero_stage, bucket_mb, **opts) for s in sorted(stages)}
+        plain = not shard_one_rank and self.dp == 1 and not opts.get("offload")  # see `shard_one_rank`
+        self.zero_stage = 0 if plain else zero_stage
+        engines = {s: make_engine(stages[s], mesh, self.dp_axis, self.zero_stage, bucket_mb, **opts)
+                   for s in sorted(stages)}
         data = set(mesh.parts(self.dp_axis)) if self.dp_axis else set()
         live = [a for a, n in mesh.sizes.items() if n > 1]
         scalers = [e.scaler for e in engines.values() if e.scaler is not None]

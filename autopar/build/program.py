@@ -143,7 +143,10 @@ def build_program(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pla
                       expert_params=sorted(n for m in stages.values() for n, _ in m.named_parameters() if n in experts),
                       zero_stage=plan.zero_stage, bucket_mb=plan.bucket_mb, engine_options=engine_options,
                       in_spec=global_gm.meta.get("autopar_in_spec"), out_spec=global_gm.meta.get("autopar_out_spec"),
-                      sync_init=sync_init, n_microbatches=plan.n_microbatches, **pipeline)
+                      sync_init=sync_init, n_microbatches=plan.n_microbatches, shard_one_rank=False, **pipeline)
+    if plan.zero_stage and program.zero_stage != plan.zero_stage:
+        plan.notes.append(f"zero_stage={plan.zero_stage} over one data-parallel rank runs as plain data parallelism: "
+                          "there is nothing to shard, and the engine would only copy (as cost.estimate prices dp = 1)")
     if pipeline:
         program.info = cut.info
     return program, graphs if pipeline else [], records
