@@ -251,7 +251,7 @@ def check_training(ctx: Ctx) -> None:
                 pred_ms=pred_s * 1e3 if pred_s else None, pred_over_meas=pred_s / s if pred_s else None,
                 peak_gib=peak / gib if peak else None, pred_peak_gib=pred_peak / gib if pred_peak else None,
                 loss0=losses[0])
-        del pm, opt, model
+        pm = opt = model = None  # freed before the next row (closures hold these names)
 
     def engine_row(offload: bool) -> None:
         from autopar.runtime import collectives as C
@@ -444,7 +444,7 @@ def check_hf(ctx: Ctx) -> None:
         return float(loss)
 
     s_eager, l_eager, _ = _time_steps(ctx, eager_step, 1, 3)
-    del model, opt
+    model = opt = None  # the eager model freed before the autopar one is built
     model = build()
     pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=batches[0])
     popt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)

@@ -27,6 +27,13 @@
                                  `compute_suite` adds the item when it runs inside a world of 2+
                                  ranks (the bench job), whose default group it then uses
   fit_contention(items)          the k that measured items give, with its spread (None: none)
+  selective item / fit_selective(items)
+                                 the host time of torch's selective-checkpoint dispatch mode: a
+                                 chain of small ops run forward + backward under plain
+                                 checkpointing and under selective checkpointing (everything
+                                 recomputed); the difference per op and pass, times the ATen ops
+                                 per captured node (OPS_PER_NODE), is the profile's
+                                 `selective_node_s` (cost/hardware.py)
 
 On a GPU the matmul items span small (256^2..1024^2, launch-bound), medium and large GEMMs and
 the shapes of a transformer layer; attention spans seq 512 / 2048 / 8192 at head_dim 64 and
@@ -61,6 +68,10 @@ from autopar.cost.node_time import NodeTimer
 from autopar.cost.overlap import slowdown
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SELECTIVE_OPS = 200  # ops in the selective item's chain
+# ATen ops the selective dispatch mode sees per captured graph node: 1742 in the forward of 16
+# blocks of 54 nodes (autopar's GPT at width 64, torch 2.13, counted with cProfile, 2026-11-27)
+OPS_PER_NODE = 2.0
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -93,6 +104,7 @@ def compute_suite(device: str, quick: bool) -> list[dict[str, Any]]:
         items.append({"kind": "vector", "dtype": "fp32", "numel": n})
         items.append({"kind": "memory", "dtype": "fp32", "numel": n})
     items.append({"kind": "launch", "dtype": "fp32", "numel": 1})
+    items.append({"kind": "selective", "dtype": "fp32", "ops": SELECTIVE_OPS})
     if gpu:  # offload's copies: pinned host memory <-> the device, each direction
         for n in (2**24, 2**26):
             for direction in ("h2d", "d2h"):
@@ -186,6 +198,8 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
         out.update(flops=0.0, bytes=float(n * host.element_size()))
     elif kind == "contention":
         return run_contention(item, None, device)
+    elif kind == "selective":
+        return _run_selective(out, device)
     elif kind == "host_step":
         # the offloaded update (runtime/offload.py): fused AdamW over fp32 masters on the CPU;
         # bytes as cost.memory.offload_step_seconds counts them (master + 2 states read and
@@ -201,6 +215,39 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
         raise ValueError(f"unknown microbenchmark kind {kind!r}")
     out["seconds"] = _median_time(fn, device)
     return out
+
+
+def _run_selective(out: dict[str, Any], device: str) -> dict[str, Any]:
+    """The selective item: a chain of `ops` small ops (linear, sin, mul, add), forward and
+    backward under plain checkpointing and under selective checkpointing that recomputes every
+    op (torch.utils.checkpoint's dispatch mode, as passes/recompute.py runs a region)."""
+    import functools  # noqa: PLC0415
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: PLC0415
+
+    n = int(out["ops"])
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def body(h, weight):
+        for _ in range(n // 4):
+            h = F.linear(h, weight).sin() * 0.5 + 0.1
+        return h
+
+    policy = functools.partial(create_selective_checkpoint_contexts,
+                               lambda ctx, func, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+    plain = lambda: checkpoint(body, x, w, use_reentrant=False, preserve_rng_state=False).sum().backward()  # noqa: E731
+    sac = lambda: checkpoint(body, x, w, use_reentrant=False, preserve_rng_state=False,  # noqa: E731
+                             context_fn=policy).sum().backward()
+    full_s, sel_s = _median_time(plain, device), _median_time(sac, device)
+    out.update(seconds=sel_s, full_s=full_s, node_s=max(0.0, (sel_s - full_s) / n / 2 * OPS_PER_NODE))
+    return out
+
+
+def fit_selective(items: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The profile's `selective_node_s` the measured selective items give (their median), or None."""
+    got = [it["node_s"] for it in items if it.get("kind") == "selective" and "node_s" in it]
+    return {"node_s": statistics.median(got), "items": len(got)} if got else None
 
 
 class _Clock:
@@ -402,6 +449,8 @@ def predicted_seconds(item: dict[str, Any], hw: Hardware, *, link=None) -> float
         return timer.seconds("vector", item["dtype"], 0.0, item["flops"], item["bytes"])
     if kind == "contention":  # the measured loop alone, slowed by hw's k while the collectives run
         return item["alone_s"] + slowdown(item["alone_s"], item["busy_s"], hw.contention_for(False))
+    if kind == "selective":  # the plain run as measured, plus the dispatch mode over both passes
+        return item["full_s"] + 2 * item["ops"] / OPS_PER_NODE * hw.selective_node_s
     if kind == "host_copy":
         return item["bytes"] / hw.host_bandwidth
     if kind == "host_step":

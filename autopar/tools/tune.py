@@ -8,7 +8,8 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
                 shapes and dtypes, causal attention, elementwise and copy over sizes, kernel
                 launch overhead, pinned host<->device copies (GPU) and the CPU's fused AdamW
                 step (what offload runs on), measured on every rank at once, and the compute's
-                slowdown while all-reduces over the whole world run (`microbench.run_contention`);
+                slowdown while all-reduces over the whole world run (`microbench.run_contention`),
+                selective checkpointing's host time (`microbench` "selective");
                 bench/coll_*.json: each collective on each mesh axis over message sizes
   2. fit        profile_microbench.json: the base profile with its efficiency factors, peaks
                 (raised where the machine beat the datasheet), intra-node link (latency and
@@ -20,7 +21,8 @@ done, so an interrupted tune resumes; `fresh=True` starts over):
                 measured / tabled ratio (`autopar.cost.compute_tables.refit_*`), and the
                 matmul floor becomes the fastest small GEMM's time. A base without a table
                 (cpu-gloo, hand-written profiles) keeps the flat factors alone. The intra-node
-                link's contention k (`cost.overlap`) becomes the measured one.
+                link's contention k (`cost.overlap`) and the selective-checkpoint dispatch
+                time per node (`selective_node_s`) become the measured ones.
   3. plan       candidates/c*.json: the best `top` plans under the fitted profile
                 (`autopar.tools.planning.plan_model`)
   4. run        (launched world, "candidates") runs/c*.json: each plan for warm-up + timed
@@ -56,7 +58,7 @@ from autopar.cost.comm import axis_links, bytes_sent, steps as comm_steps
 from autopar.cost.compute_tables import refit_attention, refit_matmul
 from autopar.cost.hardware import from_dict
 from autopar.tools.microbench import (COLLECTIVE_OPS, contention_text, default_message_sizes, fit_contention,
-                                      measured_efficiencies, predicted_seconds)
+                                      fit_selective, measured_efficiencies, predicted_seconds)
 from autopar.passes.plan import Plan
 
 STATE = "tune_state.json"
@@ -196,6 +198,10 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
         d["topology"]["intra_node"]["latency"] = alpha
         _set_rate(d, ("topology", "intra_node", "bandwidth"), "intra_node", beta, fits, "intra-node link")
         fits["intra-node link"]["latency"] = alpha
+    sel = fit_selective(compute)
+    if sel is not None:  # host time of the selective-checkpoint dispatch mode, per node and pass
+        d.setdefault("host", {})["selective_checkpoint_node_s"] = sel["node_s"]
+        fits["selective checkpoint"] = {**sel, "was": base.selective_node_s}
     con = fit_contention(compute)
     if con is not None:  # measured over the world's group, on this one node: the intra-node link's k
         d["contention"] = {**d["contention"], "intra_node": con["k"]}
@@ -444,6 +450,8 @@ def _fit_line(k: str, v: dict) -> str:
         return f"launch {v['seconds'] * 1e6:.3g} us"
     if k == "contention":
         return f"contention k {v['k']:.3g} (was {v['was']:.3g})"
+    if k == "selective checkpoint":
+        return f"selective checkpoint {v['node_s'] * 1e6:.3g} us/node (was {v['was'] * 1e6:.3g})"
     if k == "compute table":
         return f"compute table refitted ({v['matmul shapes']} GEMM, {v['attention shapes']} attention shapes)"
     return k
