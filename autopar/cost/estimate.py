@@ -178,8 +178,8 @@ def _with_fusions(gm, plan: Plan, hw: Hardware, kernels, analysis):
     got = fused_copy(gm, plan, hw, kernels=kernels, analysis=analysis)
     if got is None:
         return gm, plan, analysis, "plan.fusions match nothing in this graph (fused already): costed as it is"
-    fused, plan, n = got
-    return fused, plan, None, f"fusions: {n} matches of plan.fusions costed as their fused kernels"
+    fused, plan, n, fused_analysis = got
+    return fused, plan, fused_analysis, f"fusions: {n} matches of plan.fusions costed as their fused kernels"
 
 
 def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware: Hardware | str = "h100-sxm", *,

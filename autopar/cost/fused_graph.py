@@ -45,11 +45,12 @@ KEYED_EXTRAS = ("expert", "router_stats")
 
 
 def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: Mapping[str, Any] | None = None,
-               analysis: GraphCost | None = None) -> tuple[fx.GraphModule, Plan, int] | None:
+               analysis: GraphCost | None = None) -> tuple[fx.GraphModule, Plan, int, GraphCost | None] | None:
     """(a copy of `gm` with `plan.fusions` applied, the plan re-keyed for it, the number of
-    fused calls), or None when no entry of `plan.fusions` matches anything in `gm` (a graph
-    fused already, or rules that do not apply). `analysis`: `analyze(gm, hardware,
-    kernels=kernels)` when the caller has it (read for the old node keys)."""
+    fused calls, the copy's analysis where re-keying made one), or None when no entry of
+    `plan.fusions` matches anything in `gm` (a graph fused already, or rules that do not
+    apply). `analysis`: `analyze(gm, hardware, kernels=kernels)` when the caller has it (read
+    for the old node keys)."""
     entries = list(plan.fusions or [])
     if not entries:
         return None
@@ -62,7 +63,7 @@ def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: M
     fused_of = {n.name: m.anchor.name for m in matches for n in m.nodes}  # a node fused away -> its anchor
     sources: dict[str, str] = {}
     apply_matches(copy, matches, sources)
-    new_plan = plan
+    new_plan, new = plan, None
     save = dict(plan.extra.get("recompute_save") or {})
     keyed = [k for k in KEYED_EXTRAS if plan.extra.get(k)]
     if plan.node_layouts or save or keyed:
@@ -92,7 +93,7 @@ def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: M
             for k in keyed:
                 extra[k] = _deep_rekey(plan.extra[k], table)
         new_plan = dataclasses.replace(plan, node_layouts=layouts, extra=extra)
-    return copy, new_plan, len(matches)
+    return copy, new_plan, len(matches), new
 
 
 def _deep_rekey(obj: Any, table: dict[str, str]) -> Any:

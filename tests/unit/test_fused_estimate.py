@@ -92,7 +92,7 @@ def test_tensor_parallel_layouts_follow_the_nodes_into_the_fused_copy():
     search_sharding(plan, gm, mesh, HW)
     assert plan.node_layouts
     hw = load_profile(HW)
-    copy, rekeyed, n = fused_copy(gm, plan, hw)
+    copy, rekeyed, n, _ = fused_copy(gm, plan, hw)
     assert n > 0
     old = {x.name: x.key for x in analyze(gm, hw).nodes}
     new = {x.name: x.key for x in analyze(copy, hw).nodes}
@@ -119,7 +119,7 @@ def test_tensor_parallel_layouts_follow_the_nodes_into_the_fused_copy():
 def test_a_fused_kernel_is_recomputed_not_kept_like_a_collective():
     gm = graph()
     hw = load_profile(HW)
-    copy, _plan, _n = fused_copy(gm, Plan(mesh={"dp": 1}, fusions=FUSIONS), hw)
+    copy, _plan, _n, _ = fused_copy(gm, Plan(mesh={"dp": 1}, fusions=FUSIONS), hw)
     gc = analyze(copy, hw)
     fused = [n for n in gc.nodes if n.op.startswith("autopar.runtime.kernels.")]
     assert fused and not any(communicates(n) for n in fused)
