@@ -12,7 +12,13 @@ budgets 1.0, 0.7, 0.5, 0.3 and full recomputation: predicted vs measured saved b
 allocator's events from torch.profiler), and the measured step time relative to no
 checkpointing (the reference measured in the same run).
 
-Usage: python benchmarks/bench_recompute.py [--layers 38] [--milp-seconds 30]
+Part 3. Checkpointing's host time: `autopar.parallelize` (world 1, gloo, cpu-gloo profile) of a
+16-block GPT at width 64, where ops are tiny and the host dominates, with no recompute, every
+block fully checkpointed and every block selective (its matmuls kept): the measured step against
+`plan.predicted["step_s"]`, whose recompute term includes the selective dispatch mode's host time
+(the profile's `selective_node_s`, cost/hardware.py) but not plain checkpointing's own.
+
+Usage: python benchmarks/bench_recompute.py [--layers 38] [--milp-seconds 30] [--part 3]
 """
 from __future__ import annotations
 
@@ -187,14 +193,60 @@ def part2() -> None:
                   f"{f:11d} {pred_peak:11.0f} {p:11d} {p / pred_peak:7.4f} {t / base_time:11.3f}")
 
 
+def part3() -> None:
+    import statistics  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from autopar.models.gpt import loss_fn  # noqa: PLC0415
+
+    print("part 3: checkpointing's host time (parallelize, world 1, cpu-gloo; GPT 16 blocks at width 64, "
+          "batch 2 x 16)")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg = GPTConfig(vocab_size=256, dim=64, n_layers=16, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = ((ids[:, :-1],), ids[:, 1:])
+    print(f"  {'recompute':10} {'measured ms':>11} {'predicted ms':>12} {'ratio':>7} {'of it recompute ms':>18}")
+    for mode in ("none", "full", "selective"):
+        torch.manual_seed(0)
+        pins = {} if mode == "none" else {"recompute": {f"layers.{i}": mode for i in range(cfg.n_layers)}}
+        pm = autopar.parallelize(GPT(cfg), autopar.mesh(dp=1), example_inputs=batch[0][0], pins=pins)
+        opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-4)
+
+        def step():
+            pm.step(batch, loss_fn)
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(15):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        meas, pred = statistics.median(times), pm.plan.predicted["step_s"]
+        print(f"  {mode:10} {meas * 1e3:11.2f} {pred * 1e3:12.2f} {pred / meas:7.3f} "
+              f"{pm.plan.predicted['recompute_s'] * 1e3:18.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=38, help="GPT blocks for part 1 (38: >= 2,000 analysed nodes)")
     ap.add_argument("--milp-seconds", type=float, default=30.0, help="time limit of the reference MILP")
+    ap.add_argument("--part", type=int, choices=(1, 2, 3), action="append", help="run only this part (repeatable)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    part1(args.layers, args.milp_seconds)
-    part2()
+    parts = set(args.part or (1, 2, 3))
+    if 1 in parts:
+        part1(args.layers, args.milp_seconds)
+    if 2 in parts:
+        part2()
+    if 3 in parts:
+        part3()
 
 
 if __name__ == "__main__":
