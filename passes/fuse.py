@@ -3,7 +3,10 @@
 Runs last, on this rank's local graph. `ctx.plan.fusions` lists entries "rule" (every match of
 that rule) or "rule@module-pattern" (matches whose module path fits the fnmatch pattern,
 e.g. "swiglu@model.layers.*.mlp"); rules and their patterns are in
-`passes/rules/fusion_table.py`. An empty list changes nothing. Each match becomes one
+`passes/rules/fusion_table.py`. An empty list changes nothing. With `plan.split_points` set
+no match spans two pipeline stages (`plan_matches`); a split chosen later, at the cut, is not
+known here, and the build records which split points the fusions saw
+(`plan.extra["fusion_split_points"]`, build/program.py). Each match becomes one
 `call_function` node whose target is the kernel's public function in
 `autopar.runtime.kernels` (Triton forward and backward on CUDA, the torch reference on CPU,
 see runtime/kernels/_dispatch.py), plus `getitem` nodes for kernels with two outputs and the
@@ -35,18 +38,37 @@ from . import ir
 from .pass_manager import PassContext
 from .rules.fusion_match import Emit, Match, value_of
 from .rules.fusion_table import find_matches, parse_entry, selection
+from .split_pipeline import stage_of_nodes
 
 
 def fuse(gm: fx.GraphModule, ctx: PassContext | None = None) -> fx.GraphModule:
-    entries = list(getattr(ctx.plan, "fusions", None) or []) if ctx is not None else []
-    if not entries:
-        return gm
-    rules = sorted({parse_entry(e)[0] for e in entries})
-    matches = find_matches(gm, rules, allow=selection(entries))
-    if not matches:
-        return gm
-    apply_matches(gm, matches)
+    matches = plan_matches(gm, ctx.plan) if ctx is not None else []
+    if matches:
+        apply_matches(gm, matches)
     return gm
+
+
+def plan_matches(gm: fx.GraphModule, plan: Any, split_points: list[str] | None = None) -> list[Match]:
+    """The matches `plan.fusions` selects in `gm`, none spanning two pipeline stages of
+    `split_points` (default `plan.split_points`): fused, an add + norm at a cut would move the
+    residual sum into the next stage, which would then receive both addends instead of their
+    sum (twice the bytes sent and held). The cost model fuses its copies with the same
+    matches, at the split points the build fused with (cost/fused_graph.py)."""
+    entries = list(getattr(plan, "fusions", None) or [])
+    if not entries:
+        return []
+    allow = selection(entries)
+    split = list(getattr(plan, "split_points", None) or []) if split_points is None else list(split_points)
+    stage: dict = {}
+    if split:
+        try:
+            stage = stage_of_nodes(gm, split)
+        except ValueError:  # not this graph's units: the cut itself reports it
+            stage = {}
+    if stage:
+        picked = allow
+        allow = lambda m: picked(m) and len({stage[n] for n in m.nodes if n in stage}) <= 1  # noqa: E731
+    return find_matches(gm, sorted({parse_entry(e)[0] for e in entries}), allow=allow)
 
 
 def apply_matches(gm: fx.GraphModule, matches: list[Match], sources: dict[str, str] | None = None) -> None:

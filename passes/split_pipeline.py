@@ -61,7 +61,7 @@ from . import ir
 from .pass_manager import PassContext
 
 __all__ = ["Unit", "PipelineInfo", "StageSplit", "pipeline_units", "unit_namer", "split_stages", "split_pipeline",
-           "compose", "brief_names"]
+           "compose", "brief_names", "stage_of_nodes"]
 
 TiedPair = tuple[tuple[int, str], ...]  # ((stage, param name), ...): one weight on 2+ stages
 _NUM = re.compile(r"^\d+$")
@@ -205,6 +205,17 @@ def pipeline_units(gm: fx.GraphModule) -> list[Unit]:
     for n, k in key.items():
         members[k].append(n.name)
     return [Unit(k, tuple(members[k])) for k in order]
+
+
+def stage_of_nodes(gm: fx.GraphModule, split_points: Sequence[str]) -> dict[fx.Node, int]:
+    """The stage each input-dependent node of `gm` goes to under `split_points` (a node computed
+    from parameters, buffers or sizes only is absent: every stage that reads it copies it).
+    Raises ValueError for split points that are not units of `gm`."""
+    dep = _input_dependent(gm)
+    order, key = _unit_of_nodes(gm, dep)
+    cuts = _resolve_split_points(order, split_points)
+    stage_of_unit = {u: sum(1 for c in cuts if c <= i) for i, u in enumerate(order)}
+    return {n: stage_of_unit[k] for n, k in key.items()}
 
 
 def brief_names(names: Sequence[str]) -> str:

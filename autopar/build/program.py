@@ -81,6 +81,8 @@ def build_rank_program(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan
     rank = dist.get_rank() if dist.is_initialized() else 0
     ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank),
                       options={"device": mesh.device})
+    if plan.fusions:  # the split points the fuse pass sees (a split chosen at the cut comes later)
+        plan.extra["fusion_split_points"] = list(plan.split_points)
     pm = PassManager(list(RANK_PASSES), dump_dir=dump_dir)
     local_gm = pm.run(local_gm, ctx, tag=f"rank{rank}")
     if memory_budget is not None and not plan.recompute:  # a pinned plan.recompute wins

@@ -17,9 +17,11 @@ it is modelled on: `fuse.apply_matches(sources=)`), and `extra["recompute_save"]
 already (a recompute choice made on the rank's fused graph, as `build/program.py` makes it),
 and the node keys inside `extra["expert"]` and `extra["router_stats"]` likewise.
 
-The matches are found on the graph given, the global graph where `autopar.parallelize` costs
-its plan; the rank's graph is fused after sharding, where a collective between two ops of a
-pattern can leave a match out. Reads node.meta through the fusion table and the cost model;
+The matches are the fuse pass's (`passes.fuse.plan_matches`: none across a pipeline cut, at the
+split points the build fused with, `plan.extra["fusion_split_points"]`, else the plan's), found
+on the graph given, the global graph where `autopar.parallelize` costs its plan; the rank's
+graph is fused after sharding, where a collective between two ops of a pattern can leave a
+match out. Reads node.meta through the fusion table and the cost model;
 writes meta only on the copy's new nodes. Deterministic.
 """
 from __future__ import annotations
@@ -29,9 +31,8 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
-from autopar.passes.fuse import apply_matches
+from autopar.passes.fuse import apply_matches, plan_matches
 from autopar.passes.plan import Plan
-from autopar.passes.rules.fusion_table import find_matches, parse_entry, selection
 from autopar.runtime._torch_compat import lazy_graph_module
 
 from .fused import register_fused_cost_rules
@@ -55,9 +56,9 @@ def fused_copy(gm: fx.GraphModule, plan: Plan, hardware: Hardware, *, kernels: M
     if not entries:
         return None
     register_fused_cost_rules()  # the fused calls' cost and saved-tensor rules
-    rules = sorted({parse_entry(e)[0] for e in entries})
     copy = _graph_copy(gm)
-    matches = find_matches(copy, rules, allow=selection(entries))
+    # the fuse pass's own selection, at the split points the build fused with (none across a cut)
+    matches = plan_matches(copy, plan, plan.extra.get("fusion_split_points"))
     if not matches:
         return None
     fused_of = {n.name: m.anchor.name for m in matches for n in m.nodes}  # a node fused away -> its anchor

@@ -162,3 +162,30 @@ def test_the_planners_plan_carries_its_figures_with_the_fusions_priced():
     clear_cache()
     cpu, _ = plan_for(gm, 2, "cpu-gloo")
     assert not cpu.fusions and "with_fusions" not in cpu.predicted  # no Triton there: nothing to price
+
+
+def test_no_fusion_spans_a_pipeline_cut_and_the_estimate_fuses_at_the_split_the_build_saw():
+    """An add + norm at a cut would move the residual sum into the next stage (which would then
+    receive both addends): the fuse pass keeps every match inside one stage, and the cost model
+    fuses at the split points the build fused with (`plan.extra["fusion_split_points"]`: a
+    split chosen later, at the cut, was not seen)."""
+    from autopar.passes.fuse import plan_matches
+    from autopar.passes.split_pipeline import stage_of_nodes
+
+    gm = graph()
+    whole = plan_matches(gm, Plan(mesh={"dp": 1}, fusions=FUSIONS))
+    split = Plan(mesh={"pp": 2}, dp_axis=None, fusions=FUSIONS, split_points=["layers.1"], schedule="1f1b")
+    cut = plan_matches(gm, split)
+    stage = stage_of_nodes(gm, ["layers.1"])
+    crossing = [m for m in whole if len({stage[n] for n in m.nodes if n in stage}) > 1]
+    assert [m.rule for m in crossing] == ["add_rms_norm"]  # the residual add of block 0 + block 1's norm
+    assert len(cut) == len(whole) - 1 and all(len({stage[n] for n in m.nodes if n in stage}) == 1 for m in cut)
+    hw = load_profile(HW)
+    assert fused_copy(gm, split, hw)[2] == len(cut)
+    seen_none = dataclasses.replace(split, extra={"fusion_split_points": []})  # the split came at the cut
+    assert fused_copy(gm, seen_none, hw)[2] == len(whole)
+    ran = PassContext(plan=split, mesh_sizes={"pp": 2}, coords={})
+    from autopar.build.program import rank_copy
+
+    fused = fuse(rank_copy(gm), ran)
+    assert len(fused.meta["autopar_fusions"]) == len(cut)
