@@ -175,6 +175,28 @@ def _time_steps(ctx: Ctx, step: Callable[[int], float], warmup: int, timed: int)
     return statistics.median(times), losses, peak
 
 
+def _host_measured_profile(ctx: Ctx) -> tuple[str, str]:
+    """(path of a profile, note): the device's profile with its host link and host memory
+    bandwidth refitted, as `autopar tune` does, to offload's pinned copies and CPU fused AdamW
+    measured on this machine now. The shipped h100-sxm host figures are a share of an 8-GPU
+    node's; a lent one-GPU machine has the host to itself."""
+    from autopar.cost.hardware import load_profile
+    from autopar.tools.microbench import run_compute
+    from autopar.tools.tune import fit_profile
+
+    base = load_profile("cpu-gloo" if ctx.dry else "h100-sxm")
+    dev = ctx.device.type
+    items = [{"kind": "host_step", "dtype": "fp32", "numel": n} for n in ((2**20, 2**22) if ctx.dry else (2**24, 2**26))]
+    if dev == "cuda":
+        items += [{"kind": "host_copy", "dtype": "fp32", "numel": n, "direction": d}
+                  for n in (2**24, 2**26) for d in ("h2d", "d2h")]
+    fitted, fits = fit_profile(base, [run_compute(it, dev) for it in items], [])
+    path = ctx.out.parent / "gpu_check_host_profile.json"
+    fitted.save(path)
+    got = "; ".join(f"{k} {v['rate'] / 1e9:.0f} GB/s (profile {v['was'] / 1e9:.0f})" for k, v in fits.items())
+    return str(path), f"host measured here: {got}; "
+
+
 def check_training(ctx: Ctx) -> None:
     import autopar
     from autopar.models.gpt import loss_fn
@@ -223,6 +245,9 @@ def check_training(ctx: Ctx) -> None:
     def autopar_row(name: str, **opts) -> None:
         model = _build(cfg, ctx, dtype)
         x0 = data[0][0][0]
+        host_note = ""
+        if opts.get("offload"):  # priced with this machine's host link and CPU memory, measured now
+            opts["hardware"], host_note = _host_measured_profile(ctx)
         t = time.perf_counter()
         pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=x0, **opts)
         setup = time.perf_counter() - t
@@ -244,7 +269,7 @@ def check_training(ctx: Ctx) -> None:
         ok = loss_ok and all(l == l for l in losses)
         if name == "fusions off":
             ok &= not fused
-        note = (f"setup {setup:.1f} s; fusions {pm.plan.fusions or 'none'}; triton ran {fused or 'nothing'}"
+        note = (host_note + f"setup {setup:.1f} s; fusions {pm.plan.fusions or 'none'}; triton ran {fused or 'nothing'}"
                 + ("" if loss_ok else f"; first loss {losses[0]:.4f} vs eager {first_loss['eager']:.4f}"))
         ctx.add("train", f"autopar {name}", ok, note, step_ms=s * 1e3, x_eager=ref.get("eager", 0) / s,
                 x_compile=ref["torch.compile"] / s if "torch.compile" in ref else None,
