@@ -8,7 +8,6 @@ A report only: the step time itself is `evaluate`'s. Reads no node.meta.
 """
 from __future__ import annotations
 
-from autopar.search.expert import ep_cost
 from autopar.search.plan_context import data_axis_name
 
 __all__ = ["comm_report"]
@@ -35,14 +34,7 @@ def comm_report(model, c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes
         nb = sum(float(u.cross[starts[s] - 1]) for s in range(1, len(starts)))
         comm["pp"] = {"bytes_sent": 2 * m * nb / c.pp, "time_s": 2 * m * sum(p2p) / c.pp,
                       "exposed_s": 0.0}  # inside the simulated makespan
-    if c.ep > 1 and model.moe_blocks and c.pp == 1:  # the collectives estimate counts (`rank_ep_comm`)
-        t, sent = model.rank_ep_comm(c)
+    if c.ep > 1 and model.moe_blocks:  # the collectives estimate counts on rank 0's stages (`rank_ep_comm`)
+        t, sent = model.rank_ep_comm(c, {x for s in mine for x in range(starts[s], ends[s])})
         comm["ep"] = {"bytes_sent": m * sent, "time_s": m * t, "exposed_s": m * t}
-    elif c.ep > 1 and model.moe_blocks:
-        a2a, _comp, grad = model._ep_terms(c, rows)
-        share = float(sum(model.moe_units[starts[s]:ends[s]].sum() for s in mine) / max(model.moe_units.sum(), 1.0))
-        e = ep_cost(model.moe_blocks, c.mesh(), "ep", model.hw, tokens_per_rank=rows * model.tokens_per_row()[0])
-        al = model.links(c)["ep"]
-        comm["ep"] = {"bytes_sent": m * share * al.bytes_sent("all_to_all", e.a2a_payload_bytes),
-                      "time_s": m * share * a2a + grad, "exposed_s": m * share * a2a + grad}
     return comm

@@ -9,8 +9,9 @@ each ingredient costed once and cached, so that a search over thousands of candi
 (`PlanTables`, which `PlanCostModel` extends): per tp degree the sharding ILP's divisors and
 conversions; per (tp, rows per micro-batch) every pipeline unit's forward and backward time,
 tensor-parallel conversions, saved activations, FLOPs, boundary bytes and the working set; per
-(tp, ZeRO stage, dp, ep) the model states per unit. Expert parallelism's all-to-alls and
-routed expert compute come from `search.expert.ep_cost`.
+(tp, ZeRO stage, dp, ep) the model states per unit. Expert parallelism's collectives and
+routed expert compute are rank 0's nodes as `cost.estimate` times them (`search.plan_rank.
+rank_nodes`), at any pp.
 
 For a candidate:
   stages   S = pp x v stages; an exact min-max DP over the unit boundaries, then among the
@@ -56,7 +57,7 @@ For a candidate:
            buffers (ZeRO 0/1 the flat gradient copy, 2 its padded input and output, 3 two
            gathered units); or the optimizer step's peak (states + one temporary per
            optimizer state element), whichever is larger. That chooses the split; the chosen
-           split's per-rank peaks (pp > 1, no ep; recompute walked as its checkpoint regions run,
+           split's per-rank peaks (pp > 1, ep too; recompute walked as its checkpoint regions run,
            its recomputed forward on the stage's B) are then `cost.estimate`'s walk
            along each rank's actions (`search.plan_pipeline_memory`), and its step
            `cost.pipeline_time`'s, ZeRO 3 per stage and tp in stages as estimate's (test_one_cost_model_pipeline).
@@ -74,8 +75,7 @@ the rank's last backward starts; with pp > 1 every gradient is taken as allocate
 activations peak (one micro-batch: conservative by up to the gradients), the split DP takes ZeRO 3
 per unit (the chosen split walks it per stage), and recomputed blocks keep their input only
 (collective outputs inside a block, which the recompute pass keeps, are not counted; the
-choice of blocks uses this at pp = 1 too); expert-parallel pipelines (pp > 1, which the runtime
-does not run yet) take `search.expert.ep_cost`, not estimate's expert accounting.
+choice of blocks uses this at pp = 1 too).
 
 node.meta: read only by the tables (`search.plan_tables`: the placeholders' `val`, the rest
 through `cost.analyze`, `passes.ir` and the sharding rules); nothing here reads or writes it.
@@ -94,7 +94,6 @@ from autopar.cost.overlap import contention_of
 from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times, zero3_tail
 from autopar.cost.schedule import fuse_backward, held_peaks, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
-from autopar.search.expert import ep_cost
 from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
 from autopar.search.plan_comm_report import comm_report
 from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks, stage_recompute_seconds
@@ -133,7 +132,7 @@ class PlanCostModel(PlanTables):
         0.1 % slack covers)."""
         rows = self.rows_per_micro(c)
         f0, b0, ef, eb = self.optimistic_units(c.tp, rows, c.cp)
-        f, b = self.rank_ep_floor(c, rows, f0, b0) if c.pp == 1 else self._ep_adjusted(c, rows, f0, b0, ef, eb)
+        f, b = self.rank_ep_floor(c, rows, f0, b0)
         st = self.states(1, c.zero, c.replicas, c.ep)
         t = c.tp
         opt_tot = self._opt_time((st.total["master"] + st.total["optimizer"]) / t, st.total["params"] / t,
@@ -144,10 +143,10 @@ class PlanCostModel(PlanTables):
         if self._one_stage(c):  # the gradients may appear only after the activations' peak (ep: the routed rows' fewer)
             return self._time_bound(c, f, b, opt_tot, st, t), max(states - st.total["grads"] / t + act, states) \
                 if self._ep_of(c) < 2 else states
-        if c.ep < 2 or not self.moe_blocks:  # as `lower_bounds`
-            return self._time_bound(c, f, b, opt_tot, st, t), max(self._mem_bound(c, states - grads_of(st) / t, act),
-                                                                    states / c.pp)
-        return self._time_bound(c, f, b, opt_tot, st, t), self._mem_bound(c, states, act)
+        if self._ep_of(c) > 1:  # as `lower_bounds`
+            act = 0.0
+        return self._time_bound(c, f, b, opt_tot, st, t), max(self._mem_bound(c, states - grads_of(st) / t, act),
+                                                                states / c.pp)
 
     def _inputs_floor(self, c: Candidate, u: UnitCosts, recompute: bool) -> float:
         """Every stage but the first keeps its input (the activation crossing its first
@@ -176,7 +175,7 @@ class PlanCostModel(PlanTables):
         rows = self.rows_per_micro(c)
         u = self.units(c.tp, rows, c.cp)
         st = self.states(c.tp, c.zero, c.replicas, c.ep)
-        f, b = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
+        f, b = self._ep_adjusted(c, u.fwd, u.bwd)
         opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c,
                                  *self._offload_totals(st))
         act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u, recompute)
@@ -186,12 +185,11 @@ class PlanCostModel(PlanTables):
             grads = float(st.total["grads"])
             one_act = self.rank_act_peak(c, rows, st.param_grad) - grads + z3 if not recompute else act - grads + z3
             return self._time_bound(c, f, b, opt_tot, st), max(states + one_act, states)
-        if c.ep < 2 or not self.moe_blocks:  # the stage walks (`plan_pipeline_memory`): gradients as made
-            return self._time_bound(c, f, b, opt_tot, st), max(self._mem_bound(c, states - grads_of(st), act),
-                                                                 states / c.pp)
-        z3 = 2 * c.replicas * float(st.gather.max()) if c.zero == 3 and c.replicas > 1 else 0.0
-        fixed = self.workspace(c.tp, rows, c.cp) + z3  # every rank's peak has these on top
-        return self._time_bound(c, f, b, opt_tot, st), self._mem_bound(c, states, act) + fixed
+        if self._ep_of(c) > 1:  # the dense tables' activations are not the routed rows' (a capacity drops rows)
+            act = 0.0
+        # the stage walks (`plan_pipeline_memory`): gradients as made
+        return self._time_bound(c, f, b, opt_tot, st), max(self._mem_bound(c, states - grads_of(st), act),
+                                                             states / c.pp)
 
     def _one_stage(self, c: Candidate) -> bool:
         """Whether `c` is priced on the rank's whole graph (`search.plan_rank`): one stage."""
@@ -261,33 +259,13 @@ class PlanCostModel(PlanTables):
         nbytes = 2 * master_opt + params / (c.replicas if z in (1, 2) else 1) + grads
         return nbytes / (self.hw.device.memory_bandwidth * self.hw.eff("memory"))
 
-    def _ep_terms(self, c: Candidate, rows: int) -> tuple[float, float, float]:
-        """(all-to-all seconds, routed expert compute seconds, non-expert gradient averaging over
-        ep) per micro-batch for the whole model (`search.expert.ep_cost`): pipelines only."""
-        if c.ep < 2 or not self.moe_blocks:
-            return 0.0, 0.0, 0.0
-        key = ("ep", c.mesh().items().__repr__(), rows)
-        hit = self._split_cache.get(key)
-        if hit is None:
-            other = sum(p.numel * p.dtype.itemsize for p in self.gc.params
-                        if not p.is_buffer and p.requires_grad and p.name not in self.expert_params) / c.tp
-            e = ep_cost(self.moe_blocks, c.mesh(), "ep", self.hw, tokens_per_rank=rows * self.tokens_per_row()[0],
-                        non_expert_param_bytes=other)
-            hit = self._split_cache[key] = (e.a2a_s, e.expert_s, e.grad_sync_s)
-        return hit
-
-    def _ep_adjusted(self, c: Candidate, rows: int, fwd, bwd, expert_f, expert_b):
-        """Per-unit forward and backward with expert parallelism: the dense expert computation of
-        the captured graph replaced by the routed rows' (ep_cost's busiest rank), plus the
-        blocking all-to-alls, spread over the units that hold MoE blocks."""
+    def _ep_adjusted(self, c: Candidate, fwd, bwd):
+        """Per-unit forward and backward with expert parallelism: rank 0's nodes as cost.estimate
+        times them (`search.plan_rank.rank_ep_units`: its experts on their routed rows, the
+        expert collectives blocking the nodes they sit on), one stage or a pipeline's."""
         if c.ep < 2 or not self.moe_blocks:
             return fwd, bwd
-        if c.pp == 1:  # one stage: the rank's nodes as cost.estimate times them (`search.plan_rank`)
-            return self.rank_ep_units(c, fwd, bwd)
-        a2a, comp, _g = self._ep_terms(c, rows)
-        share = self.moe_units / max(self.moe_units.sum(), 1.0)
-        return (fwd - expert_f + share * (a2a / 2 + comp / 3),
-                bwd - expert_b + share * (a2a / 2 + 2 * comp / 3))
+        return self.rank_ep_units(c, fwd, bwd)
 
     def schedule(self, c: Candidate):
         """The step's schedule of `c` (v stages per rank for interleaved_1f1b), memoised."""
@@ -343,7 +321,7 @@ class PlanCostModel(PlanTables):
         P = c.pp
         stages_of = [[s for s in range(S) if s2r[s] == r] for r in range(P)]
         # per-unit times per micro-batch, with ZeRO-3 gathers and expert parallelism
-        f0, b0 = self._ep_adjusted(c, rows, u.fwd, u.bwd, u.expert_f, u.expert_b)
+        f0, b0 = self._ep_adjusted(c, u.fwd, u.bwd)
         # one stage: data parallelism and memory on the rank's whole graph, as cost.estimate
         # prices them (`search.plan_rank`); a pipeline's stages: per unit (`search.plan_comm`)
         one = self._one_stage(c)
@@ -416,7 +394,7 @@ class PlanCostModel(PlanTables):
             if one and chosen:  # estimate's walk of the checkpointed regions: its peak and recompute time
                 rc_peak, rtime = self.rank_recompute(c, rows, tuple(rc_units), st.param_grad)
                 one_act = rc_peak - float(st.total["grads"]) + z3_units
-            elif chosen and (c.ep < 2 or not self.moe_blocks):  # the stage's regions as estimate walks them
+            elif chosen:  # the stage's regions as estimate walks them
                 rtime = stage_recompute_seconds(self, c, rows, [self.unit_names[x] for x in chosen])
             F_s.append(float(F_u[i:j].sum()))
             B_s.append(float(B_u[i:j].sum()) + rtime)
@@ -486,7 +464,7 @@ class PlanCostModel(PlanTables):
                 return Evaluation(step_s=max(sim[0]), peak_bytes=pk, memory={"peak": pk, "limit": limit},
                                   notes=["schedule over the cutoff before the walk (peak: the per-unit model's)"],
                                   pruned=True, **early)
-        if c.pp > 1 and (c.ep < 2 or not self.moe_blocks):  # estimate's walk of the split, recompute included
+        if c.pp > 1:  # estimate's walk of the split, recompute included
             walked = pipeline_rank_peaks(self, c, sched, rows, starts, ends, st, chain, trans_u, rank_cats,
                                          frozenset(chosen_all))
             unit_fits = max(rank_peaks) <= limit * (1 + 1e-9)
@@ -523,7 +501,6 @@ class PlanCostModel(PlanTables):
         dp_link = links.get("dp")
         step = 0.0
         dp_time = dp_bytes = dp_exposed_max = 0.0
-        ep_sync = 0.0 if one else self._ep_terms(c, rows)[2]  # one stage: in the nodes' times (`rank_nodes`)
         for r in range(P):
             mine = stages_of[r]
             if one:
@@ -534,7 +511,7 @@ class PlanCostModel(PlanTables):
                                                    self.bucket_bytes)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
-            step = max(step, ends_r[r] + exposed + after + ep_sync + zero3_tail(mine, z3_s) + opt_r[r])
+            step = max(step, ends_r[r] + exposed + after + zero3_tail(mine, z3_s) + opt_r[r])
             dp_exposed_max = max(dp_exposed_max, exposed + after)
         step += self.context_exposed(c)  # the attention exchange's exposed part (cost.estimate adds the same)
         comm = comm_report(self, c, u, st, starts, ends, stages_of, p2p, dp_time, dp_bytes, dp_exposed_max, z3f,

@@ -29,8 +29,10 @@ running one fused backward (no I / W split terms); its recomputed forward's seco
 (`stage_recompute_seconds`: per block, the seconds that walk counts, `cost.timeline.region_recompute`)
 are what `plan_cost` adds to the stage's B.
 
-Not modelled here (the planner keeps its per-unit memory): expert parallelism (estimate's
-expert accounting differs). The recompute choice itself is made on the per-unit model; where
+Expert parallelism (ep > 1): rank 0 as estimate walks it, its experts' storages at their
+routed rows and their compute on them (`plan_rank.rank_mem_div`, `cost.expert_memory.
+ep_compute_divisor`), other ranks' experts without gradients (`ep_param_grad`), ZeRO 3's
+gathered units of its own parameters. The recompute choice itself is made on the per-unit model; where
 that fits and this walk does not, `plan_cost` evaluates again with the limit lowered by the
 difference (its `walk_retry`). A static batch dimension scales the walk linearly with the rows,
 as `search.plan_rank` does.
@@ -50,6 +52,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from autopar.cost.expert_memory import ep_compute_divisor
 from autopar.cost.memory import HELD_OUTPUTS
 from autopar.cost.pipeline_memory import (StageMemory, rank_peaks, received_grad_bytes, split_backward, stage_graph,
                                           stage_of_nodes, stage_regions, stage_walk)
@@ -104,17 +107,26 @@ def stage_recompute_seconds(model: Any, c: Candidate, rows: int, units: Sequence
     each unit's region (`cost.timeline.region_recompute`, what the stage's walk counts, without
     walking), cached per unit."""
     out = 0.0
+    ep = model._ep_of(c)
     for name in units:
-        key = ("unit_rc_s", c.tp, rows, c.cp, name)
+        key = ("unit_rc_s", c.tp, rows, c.cp, ep, name)
         hit = model._split_cache.get(key)
         if hit is None:
             (region,) = _regions(model, (name,), model.gc)
             _f, secs, _n = region_recompute(model.gc, region, model._values(rows, c.cp), hardware=model.hw,
-                                            compute_divisor=model.sharding(c.tp).comp_div)
+                                            compute_divisor=_compute_divisor(model, c, rows))
             scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
             hit = model._split_cache[key] = float(secs) * scale
         out += hit
     return out
+
+
+def _compute_divisor(model: Any, c: Candidate, rows: int) -> dict:
+    """Per node the compute divisor of rank 0: the sharding ILP's at the candidate's tp, with
+    ep > 1 its experts at their routed rows (another rank's: not run), as estimate divides."""
+    comp = model.sharding(c.tp).comp_div
+    ep = model._ep_of(c)
+    return comp if ep < 2 else ep_compute_divisor(comp, model.ep_rank(c.tp, rows, ep, 1, c.cp)[0].compute)
 
 
 def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_grad: np.ndarray,
@@ -131,20 +143,23 @@ def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_gra
     gc = model.gc
     N = len(gc.nodes)
     g = stage_graph_of(model, lo, hi)
+    ep = model._ep_of(c)
+    if ep > 1:  # rank 0's experts whole, other ranks' without gradients
+        param_grad = model.ep_param_grad(c.tp, ep, param_grad)
     index = {p.key: i for i, p in enumerate(gc.params) if p.key is not None}
     pg = {p.key: float(param_grad[index[p.key]]) for p in g.params if p.requires_grad and p.key is not None}
     # the walk reads the candidate's ZeRO stage, replicas and ep only through the stage's
     # parameter gradients: candidates that differ there but give equal gradients share it
-    same = ("stage_walk_pg", c.tp, rows, c.cp, lo, hi, c.micro > 1, splits, units, tuple(pg.values()))
+    same = ("stage_walk_pg", c.tp, rows, c.cp, ep, lo, hi, c.micro > 1, splits, units, tuple(pg.values()))
     hit = model._split_cache.get(same)
     if hit is not None:
         model._split_cache[key] = hit
         return hit
     values = model._values(rows, c.cp)
-    div = model.sharding(c.tp).mem_div
+    div = model.rank_mem_div(c.tp, rows, ep, c.cp)
     loss = model.sharding(c.tp).loss if hi == N else HELD_OUTPUTS  # the last stage's: gathered or vocab-parallel
     w = stage_walk(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss, later=c.micro > 1,
-                   regions=_regions(model, units, g), hardware=model.hw, compute_divisor=model.sharding(c.tp).comp_div)
+                   regions=_regions(model, units, g), hardware=model.hw, compute_divisor=_compute_divisor(model, c, rows))
     scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
     split = (split_backward(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss).scaled(scale)
              if lo > 0 and splits else None)  # stage 0: its W is its whole backward; a stage that recomputes: fused
@@ -221,7 +236,7 @@ def pipeline_rank_peaks(model: Any, c: Candidate, sched, rows: int, starts: Sequ
     per-unit model; where that model fits and this walk does not,
     `plan_cost.PlanCostModel.evaluate` evaluates the split again with the limit lowered by the
     difference (its `walk_retry`), so the plan recomputes what the walk adds."""
-    z3 = model.zero3_transient(c.tp, c.replicas) if c.zero == 3 and c.replicas > 1 else 0.0
+    z3 = model.zero3_transient(c.tp, c.replicas, model._ep_of(c)) if c.zero == 3 and c.replicas > 1 else 0.0
     peaks = rank_peaks(sched, stage_memories(model, c, rows, starts, ends, st, chain, trans_u, recomputed), z3)
     for cats, pk in zip(rank_cats or [], peaks):
         cats["peak"] = pk

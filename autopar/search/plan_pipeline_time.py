@@ -6,7 +6,8 @@ estimate (`plan_comm.zero3_exposed`); the chosen split's stage times then take Z
 per stage `cost.pipeline_time.stage_zero3` (the function `cost.estimate` calls) on the stage's
 graph (`cost.pipeline_memory.stage_graph`, as `plan_pipeline_memory` builds it) with the nodes'
 seconds as estimate times them (`PlanTables.units(...).node_fwd`, `node_bwd`) and the rank's
-ZeRO-3 unit payloads (`plan_rank`'s): every micro-batch gathers (forward) and re-gathers the
+ZeRO-3 unit payloads (`plan_rank`'s; with ep rank 0's nodes and parameters, `rank_nodes`,
+`ep_dropped`): every micro-batch gathers (forward) and re-gathers the
 saved units (backward), the stage's last backward alone reduce-scatters, as the pipeline
 runtime runs its stage engines (`runtime.pipeline`: no_sync but for the last backward).
 
@@ -15,6 +16,7 @@ cached on the model per (tp, rows, cp, replicas, ep, stage node range).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from autopar.cost.overlap import contention_of
@@ -31,20 +33,24 @@ def pipeline_zero3(model: Any, c: Candidate, rows: int, starts: Sequence[int], e
     extra) ZeRO-3 seconds per micro-batch (`cost.pipeline_time.stage_zero3`); None without
     ZeRO 3 over replicas or without a data-parallel link. `u`: the candidate's `UnitCosts`."""
     R = c.replicas
-    if c.zero != 3 or R < 2 or link is None or (c.ep > 1 and model.moe_blocks):  # ep pipelines: per unit
+    if c.zero != 3 or R < 2 or link is None:
         return None
-    ep = 1
+    ep = model._ep_of(c)
     _ev, gather, rs = model._zero3(c.tp, R, ep)
+    node_f, node_b = model.rank_nodes(c, u)  # with ep: rank 0's experts on their routed rows, its collectives
+    gone = model.ep_dropped(c.tp, ep)  # other ranks' experts: not this rank's parameters
     firsts = unit_first_nodes(model)
     k = contention_of(link)
     out = []
     for i, j in zip(starts, ends):
         lo, hi = firsts[i], firsts[j]
-        key = ("stage_zero3", c.tp, rows, c.cp, R, ep, lo, hi)
+        key = ("stage_zero3", c.tp, rows, c.cp, R, tuple(c.mesh().items()), lo, hi)
         hit = model._split_cache.get(key)
         if hit is None:
-            hit = model._split_cache[key] = stage_zero3(stage_graph_of(model, lo, hi), u.node_fwd, u.node_bwd, gather,
-                                                        rs, link.time, k)
+            g = stage_graph_of(model, lo, hi)
+            if gone:
+                g = dataclasses.replace(g, params=[p for p in g.params if p.name not in gone])
+            hit = model._split_cache[key] = stage_zero3(g, node_f, node_b, gather, rs, link.time, k)
         out.append(hit)
     return out
 

@@ -34,7 +34,10 @@ rule: tests/unit/test_one_cost_model.py checks the two agree on every candidate)
            (`cost.expert_comm.ep_events`: route counts, dispatch and combine all-to-alls and
            their reverses, router statistics over dp and ep, non-expert gradients over ep).
 
-Terms without a pipeline only; pipeline plans keep the per-unit model of `plan_comm`. Tensor-
+Terms without a pipeline only, but for the experts' (`rank_nodes`, `rank_mem_div`, `ep_param_grad`,
+`ep_dropped`, `rank_ep_comm`), which pipeline candidates take per stage too (`plan_cost`,
+`plan_pipeline_memory`, `plan_pipeline_time`); the rest of a pipeline plan keeps the per-unit
+model of `plan_comm` to choose its split. Tensor-
 parallel conversions are not in these walks (estimate does not count them; the planner adds
 them to the compute, blocking).
 
@@ -386,11 +389,13 @@ class RankTables:
             b[self.node_unit[i]] += nb
         return fwd - f, bwd - b
 
-    def rank_ep_comm(self, c: Candidate) -> tuple[float, float]:
-        """(seconds, bytes sent) of rank 0's expert collectives per micro-batch (`rank_nodes`)."""
+    def rank_ep_comm(self, c: Candidate, units: set[int] | None = None) -> tuple[float, float]:
+        """(seconds, bytes sent) of rank 0's expert collectives per micro-batch (`rank_nodes`), on
+        the nodes of `units` only when given (a pipeline rank's stages)."""
         eve = self.ep_rank(c.tp, self.rows_per_micro(c), c.ep, c.dp, c.cp)[1]
         links = self.raw_links(c)
-        mine = [e for e in eve.events if (e.axis or eve.axis) == eve.axis]  # the router statistics' dp part aside
+        mine = [e for e in eve.events if (e.axis or eve.axis) == eve.axis  # the router statistics' dp part aside
+                and (units is None or self.node_unit[e.node] in units)]
         return (sum(links[eve.axis].time(e.op, e.payload) for e in mine),
                 sum(links[eve.axis].bytes_sent(e.op, e.payload) for e in mine))
 

@@ -23,7 +23,7 @@ rows (balanced routing; dropless, or the model's capacity), the dispatcher's all
 count all-gathers, the router statistics' all-reduces over dp and ep, and the non-expert
 gradients' all-reduce over ep, by the same functions (`cost.expert_memory`, `cost.expert_comm`).
 
-Not covered at 1e-6 (see the planner's docstrings): pipelines (pp > 1) keep the per-unit model.
+Pipelines (pp > 1, with ep too): tests/unit/test_one_cost_model_pipeline.py.
 """
 import copy
 import math
