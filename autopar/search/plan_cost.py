@@ -131,7 +131,7 @@ class PlanCostModel(PlanTables):
         divided by tp, the model states of tp = 1 divided by tp (padding aside, which the
         0.1 % slack covers)."""
         rows = self.rows_per_micro(c)
-        f0, b0, ef, eb = self.optimistic_units(c.tp, rows, c.cp)
+        f0, b0 = self.optimistic_units(c.tp, rows, c.cp)
         f, b = self.rank_ep_floor(c, rows, f0, b0)
         st = self.states(1, c.zero, c.replicas, c.ep)
         t = c.tp

@@ -98,8 +98,6 @@ class UnitCosts:
     rc_time: np.ndarray
     flops: np.ndarray
     tp_bytes: np.ndarray  # bytes one rank sends on tp per unit and micro-batch
-    expert_f: np.ndarray  # the dense expert computation inside fwd / bwd (replaced under ep)
-    expert_b: np.ndarray
     workspace: float | None = None
     loss_workspace: float | None = None
     node_fwd: np.ndarray | None = None  # per node of the graph: forward, backward seconds
@@ -265,8 +263,8 @@ class PlanTables(ContextTables, RankTables):
         self.rg = requires_grad_nodes(gm)
 
     def _experts(self) -> None:
-        """MoE blocks (`search.expert_detect.detect_moe`): expert parameters,
-        the units holding blocks, and what an expert-parallel degree costs (`ep_cost`)."""
+        """MoE blocks (`search.expert_detect.detect_moe`), their expert parameters and the
+        experts' common count (an ep degree divides it)."""
         self.moe_blocks: list = []
         try:
             self.moe_blocks = detect_moe(self.gm)
@@ -274,13 +272,6 @@ class PlanTables(ContextTables, RankTables):
             self.moe_blocks = []
         self.expert_params = {n for b in self.moe_blocks for n in b.expert_params}
         self.n_experts = math.gcd(*[b.n_experts for b in self.moe_blocks]) if self.moe_blocks else 0
-        self.moe_units = np.zeros(self.L)
-        for n in self.expert_params:
-            for u in self.readers.get(n, []):
-                self.moe_units[u] = 1.0
-        # the expert computation of the captured graph (which the expert pass replaces by the
-        # routed rows only): nodes under an `experts` module
-        self.expert_node = [".experts." in f".{nc.module}." for nc in self.gc.nodes]
 
     @property
     def has_moe(self) -> bool:
@@ -315,7 +306,7 @@ class PlanTables(ContextTables, RankTables):
         values = self._values(rows, cp)
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
         timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
-        fwd, bwd, act, flops, ef, eb = (np.zeros(L) for _ in range(6))
+        fwd, bwd, act, flops = (np.zeros(L) for _ in range(4))
         memo: dict = {}
 
         def ev(x):  # identical layers repeat the same expressions: evaluate each once
@@ -331,23 +322,20 @@ class PlanTables(ContextTables, RankTables):
         for u in range(L):
             r = rep[u]
             if r != u:  # an identical unit was costed already
-                fwd[u], bwd[u], act[u], flops[u], ef[u], eb[u] = fwd[r], bwd[r], act[r], flops[r], ef[r], eb[r]
+                fwd[u], bwd[u], act[u], flops[u] = fwd[r], bwd[r], act[r], flops[r]
                 continue
             fb = node_fb[u] = []
-            for nc, d, is_exp, saved in items[u]:
+            for nc, d, saved in items[u]:
                 f, b = timer.node(nc, d)
                 k = cp if cp > 1 and "scaled_dot_product_attention" in nc.op else 1  # against every chunk
                 fb.append((f * k, b * k))
                 fwd[u] += f * k
                 bwd[u] += b * k
-                if is_exp:
-                    ef[u] += f
-                    eb[u] += b
                 if nc.cost.kind not in ("none", "view", "comm"):
                     flops[u] += k * (ev(nc.cost.flops) + ev(nc.bwd_flops)) / d
                 for nb, md in saved:
                     act[u] += ev(nb) / md
-        fwd, bwd, act, flops, ef, eb = (x * scale for x in (fwd, bwd, act, flops, ef, eb))
+        fwd, bwd, act, flops = (x * scale for x in (fwd, bwd, act, flops))
         tpc, tp_bytes, loss_t = np.zeros(L), np.zeros(L), 0.0
         if t > 1:
             link = axis_links(self.hw, {"dp": max(self.world // t, 1), "tp": t})["tp"]
@@ -366,7 +354,7 @@ class PlanTables(ContextTables, RankTables):
         cross_in = np.concatenate([[0.0], cross])
         rc_save = np.where(self.blocks > 0, np.maximum(act - cross_in, 0.0), 0.0)
         rc_time = np.where(self.blocks > 0, fwd + tpc / 2, 0.0)
-        out = UnitCosts(fwd + tpc / 2, bwd + tpc / 2, tpc, act, cross, rc_save, rc_time, flops, tp_bytes, ef, eb)
+        out = UnitCosts(fwd + tpc / 2, bwd + tpc / 2, tpc, act, cross, rc_save, rc_time, flops, tp_bytes)
         # per node of the graph (in its order), as `cost.estimate` times them (no tp conversions)
         idx = np.fromiter((nc.index for its in items for nc, *_ in its), dtype=np.int64)
         both = np.array([x for u in range(L) for x in node_fb[rep[u]]]).reshape(-1, 2) * scale
@@ -405,7 +393,7 @@ class PlanTables(ContextTables, RankTables):
         return hit[0] + hit[1] * rows
 
     def _unit_items(self, t: int):
-        """Per unit its nodes with their compute divisor, expert flag and the saved storages it
+        """Per unit its nodes with their compute divisor and the saved storages it
         is charged for (each storage to the first node that saves it); and per unit the first
         unit with the same items (identical blocks are costed once)."""
         key = ("items", t)
@@ -414,25 +402,25 @@ class PlanTables(ContextTables, RankTables):
             info, gc = self.sharding(t), self.gc
             items: list[list] = [[] for _ in range(self.L)]
             seen: set = set()
-            for nc, u, is_exp in zip(gc.nodes, self.node_unit, self.expert_node):
+            for nc, u in zip(gc.nodes, self.node_unit):
                 saved = []
                 for k, nb, _tag in nc.saved:
                     if k in seen or gc._is_state(k):
                         continue
                     seen.add(k)
                     saved.append((nb, info.mem_div.get(k, 1)))
-                items[u].append((nc, info.comp_div.get(nc.index, 1), is_exp, tuple(saved)))
+                items[u].append((nc, info.comp_div.get(nc.index, 1), tuple(saved)))
             first: dict = {}
             rep = []
             for u, its in enumerate(items):
-                sig = tuple((id(nc.cost), nc.bwd_flops, nc.has_grad_fn, tuple(nb for _k, nb, _t in nc.saved), d, e, sv)
-                            for nc, d, e, sv in its)
+                sig = tuple((id(nc.cost), nc.bwd_flops, nc.has_grad_fn, tuple(nb for _k, nb, _t in nc.saved), d, sv)
+                            for nc, d, sv in its)
                 rep.append(first.setdefault(sig, u))
             hit = self._split_cache[key] = (items, rep)
         return hit
 
     def optimistic_units(self, t: int, rows: int, cp: int = 1) -> tuple[np.ndarray, ...]:
-        """Per unit (forward, backward, their expert parts) seconds per micro-batch with every
+        """Per unit (forward, backward) seconds per micro-batch with every
         node's work divided by t (s / cp tokens): no sharding does better, and it needs no ILP."""
         key = ("optimistic", t, rows, cp)
         hit = self._split_cache.get(key)
@@ -442,16 +430,13 @@ class PlanTables(ContextTables, RankTables):
         scale = 1.0 if self.symbolic_batch else rows / (self.captured_rows or rows)
         timer = NodeTimer(self.hw, values, compute_dtype=self.compute_dtype)
         L = self.L
-        f_, b_, ef, eb = np.zeros(L), np.zeros(L), np.zeros(L), np.zeros(L)
-        for nc, u, is_exp in zip(self.gc.nodes, self.node_unit, self.expert_node):
+        f_, b_ = np.zeros(L), np.zeros(L)
+        for nc, u in zip(self.gc.nodes, self.node_unit):
             f, b = timer.node(nc, t)
             k = cp if cp > 1 and "scaled_dot_product_attention" in nc.op else 1
             f_[u] += f * k
             b_[u] += b * k
-            if is_exp:
-                ef[u] += f
-                eb[u] += b
-        hit = self._split_cache[key] = tuple(x * scale for x in (f_, b_, ef, eb))
+        hit = self._split_cache[key] = (f_ * scale, b_ * scale)
         return hit
 
     def workspace(self, t: int, rows: int, cp: int = 1, at_loss: bool = False) -> float:
