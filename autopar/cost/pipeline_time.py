@@ -4,6 +4,12 @@ joint planner (`search.plan_cost`).
 Given per-stage forward and backward seconds of one micro-batch and the point-to-point time of
 every stage boundary:
 
+  stage_run_nodes       the nodes a stage runs, as `passes.split_pipeline` builds it: its
+                        input-dependent nodes and every input-free node (from parameters,
+                        buffers or sizes only: a rotary table, a causal mask) they read,
+                        wherever it sits; each stage that reads one computes its own copy (a
+                        stage's F and B sum these nodes' seconds, in estimate and planner);
+
   stretch_stage_times   the compute beside the pipeline's own transfers runs (1 + k) times
                         slower, k the pp link's contention (`cost.overlap.slowdown`): per
                         micro-batch 2 x (hop in + hop out), taken as overlapping the stage's
@@ -11,11 +17,16 @@ every stage boundary:
                         run at once);
   simulate_ranks        the schedule's dry run (`runtime.schedules.simulate`, through
                         `cost.schedule`): when each rank's last action ends, its busy time, the
-                        bubble fraction; ValueError when the schedule deadlocks;
-  dp_sync               a rank's data-parallel gradient synchronisation after its last backward
-                        (ZeRO 0/1 all-reduce, 2 reduce-scatter, in buckets of the runtime's caps,
-                        each once its gradients are ready, beside the backward slowed by the
-                        link's contention; ZeRO 1/2's parameter all-gather after the step;
+                        bubble fraction, and per stage the window of the action that makes its
+                        last gradients (its last B or W: the one `runtime.pipeline` runs out of
+                        no_sync); ValueError when the schedule deadlocks;
+  dp_sync               a rank's data-parallel gradient synchronisation (ZeRO 0/1 all-reduce, 2
+                        reduce-scatter), stage by stage as the runtime's per-stage engines run
+                        it: each stage's buckets (the runtime's caps) issued as its last
+                        gradient action makes them, so an interleaved rank's earlier virtual
+                        stages reduce beside its later actions; one stream per rank, the
+                        compute beside it slowed by the link's contention; ZeRO 1/2's parameter
+                        all-gather after the step;
                         ZeRO 3: counted, its exposure is `stage_zero3`'s), over "pieces" in
                         forward order (the planner's pipeline units, estimate's nodes) with
                         their backward seconds, gradient and gather payloads;
@@ -43,19 +54,73 @@ Pure functions of numbers: reads no node.meta. Deterministic.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import dataclasses
 
 from .graph import GraphCost
 from .overlap import CommStream, contention_of, slowdown
 from .pipeline_memory import held_states
-from .schedule import Schedule, simulate
+from .schedule import Kind, Schedule, simulate
 from .symbolic import evaluate
 from .zero_comm import zero3_events, zero3_walk
 
-__all__ = ["AlgorithmLink", "add_stage_terms", "buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step",
+__all__ = ["AlgorithmLink", "stage_run_nodes", "add_stage_terms", "buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step",
            "rank_pieces", "simulate_ranks", "stage_zero3", "stretch_stage_times", "zero3_tail"]
+
+
+def _input_free(gc: GraphCost) -> tuple[list[bool], list[frozenset]]:
+    """Per node of `gc`: whether it depends on the graph's inputs, and the input-free nodes it
+    reads, directly or through other input-free nodes (an input-free node counts itself), as
+    `pipeline_memory.held_states` tells them apart (cached on the GraphCost)."""
+    hit = gc.__dict__.get("_autopar_input_free")
+    if hit is not None:
+        return hit
+    st = gc.storages
+    dep: dict[int, bool] = {}
+    feeds: dict[int, frozenset] = {}
+    for n in gc.nodes:
+        d, got = False, set()
+        for k in n.uses:
+            x = st.get(k)
+            if x is None or x.is_state:
+                continue
+            if x.producer < 0 or dep.get(x.producer, True):
+                d = True
+            else:
+                got |= feeds[x.producer]
+        dep[n.index] = d
+        feeds[n.index] = frozenset(got) if d else frozenset(got | {n.index})
+    hit = gc.__dict__["_autopar_input_free"] = ([dep[n.index] for n in gc.nodes], [feeds[n.index] for n in gc.nodes])
+    return hit
+
+
+def stage_run_nodes(gc: GraphCost, lo: int, hi: int) -> list[int]:
+    """Indices (in graph order) of the nodes a pipeline stage holding nodes [lo, hi) of `gc` runs:
+    its input-dependent nodes and the input-free nodes they read, wherever those sit (see the
+    module docstring). An input-free node in [lo, hi) that no input-dependent node reads stays
+    with it (nothing else would run it)."""
+    dep, feeds = _input_free(gc)
+    pos = {n.index: i for i, n in enumerate(gc.nodes)}
+    run: set[int] = set()
+    read_free: set[int] = set()
+    for n in gc.nodes[lo:hi]:
+        if dep[pos[n.index]]:
+            run.add(n.index)
+            read_free |= feeds[pos[n.index]]
+    for n in gc.nodes[lo:hi]:  # input-free nodes of the range that no stage's node reads
+        if not dep[pos[n.index]] and not _read_anywhere(gc, n.index):
+            run.add(n.index)
+    return sorted(run | read_free, key=pos.__getitem__)
+
+
+def _read_anywhere(gc: GraphCost, index: int) -> bool:
+    """Whether an input-dependent node of `gc` reads input-free node `index` (cached)."""
+    hit = gc.__dict__.get("_autopar_free_read")
+    if hit is None:
+        dep, feeds = _input_free(gc)
+        hit = gc.__dict__["_autopar_free_read"] = set().union(*(f for d, f in zip(dep, feeds) if d))
+    return index in hit
 
 
 def stage_zero3(g: GraphCost, fwd_t, bwd_t, gather, rs, time_of, k: float) -> tuple[float, float, float]:
@@ -117,21 +182,31 @@ def stretch_stage_times(F_s: list[float], B_s: list[float], hops: Sequence[float
 
 
 def simulate_ranks(sched: Schedule, F_s: Sequence[float], B_s: Sequence[float], p2p: Sequence[float],
-                   what: str = "plan") -> tuple[list[float], list[float], float]:
-    """(end of each rank's last action, each rank's busy seconds, bubble fraction) of one step."""
+                   what: str = "plan") -> tuple[list[float], list[float], float, dict[int, tuple[float, float]]]:
+    """(end of each rank's last action, each rank's busy seconds, bubble fraction, per stage the
+    (start, end) of its last B or W: the action whose gradients its engine reduces) of one step."""
     sim = simulate(sched, f=list(F_s), b=list(B_s), p2p=list(p2p))
     if not sim.ok:
         raise ValueError(f"{what}: the schedule deadlocks in simulation: {sim.summary()}")
-    return [tl[-1].end if tl else 0.0 for tl in sim.timelines], list(sim.busy), float(sim.bubble_fraction)
+    windows: dict[int, tuple[float, float]] = {}
+    for tl in sim.timelines:
+        for t in tl:
+            if t.action.kind in (Kind.B, Kind.W):
+                windows[t.action.stage] = (t.start, t.end)
+    return [tl[-1].end if tl else 0.0 for tl in sim.timelines], list(sim.busy), float(sim.bubble_fraction), windows
 
 
 def dp_sync(mine: Sequence[int], starts: Sequence[int], ends: Sequence[int], B_s: Sequence[float],
             B_u: Sequence[float], end_r: float, grad_payload: Sequence[float], gather: Sequence[float], dp_link,
-            z: int, replicas: int, micro: int, bucket_bytes: tuple[float, float]) -> tuple[float, float, float, float]:
+            z: int, replicas: int, micro: int, bucket_bytes: tuple[float, float],
+            windows: Mapping[int, tuple[float, float]] | None = None) -> tuple[float, float, float, float]:
     """(exposed, after the step, time, bytes sent) of a rank's gradient sync (its stages
-    `mine`, stage s = pieces starts[s]..ends[s], its last backward ending at `end_r`), on the
-    data-parallel link; earlier virtual stages' gradients are taken as ready when the rank's
-    last backward starts."""
+    `mine`, stage s = pieces starts[s]..ends[s], its last action ending at `end_r`), on the
+    data-parallel link. `windows[s]`: (start, end) of stage s's last gradient action
+    (`simulate_ranks`); its pieces' gradients are ready as that action goes through them in
+    backward order (their B_u, scaled to the action's length: a W makes them in half a B).
+    Without `windows`, the rank's last stage's last backward ends at `end_r`, and its other
+    stages' gradients are ready when that backward starts."""
     if replicas < 2 or dp_link is None:
         return 0.0, 0.0, 0.0, 0.0
     if z == 3:
@@ -145,21 +220,24 @@ def dp_sync(mine: Sequence[int], starts: Sequence[int], ends: Sequence[int], B_s
                                   + dp_link.bytes_sent("reduce_scatter", float(grad_payload[x])))
         return 0.0, 0.0, t, b
     op = "all_reduce" if z < 2 else "reduce_scatter"
-    last = min(mine)  # the rank's stage whose backward ends last (the lowest)
-    t0 = end_r - B_s[last]
-    ready_at: list[tuple[float, float, float]] = []
-    for s in sorted(mine, reverse=True):
-        if s != last:
-            for x in range(ends[s] - 1, starts[s] - 1, -1):
-                ready_at.append((t0, float(grad_payload[x]), float(gather[x])))
-    ready = t0
-    for x in range(ends[last] - 1, starts[last] - 1, -1):
-        ready += B_u[x]
-        ready_at.append((ready, float(grad_payload[x]), float(gather[x])))
+    if windows is None:
+        last = min(mine)  # the rank's stage whose backward ends last (the lowest)
+        windows = {s: (end_r - B_s[last], end_r - B_s[last] if s != last else end_r) for s in mine}
+    runs = []  # each stage's engine fills its own buckets, in its backward order
+    for s in mine:
+        a, b = windows[s]
+        scale = (b - a) / B_s[s] if B_s[s] > 0 else 0.0
+        ready, ready_at = a, []
+        for x in range(ends[s] - 1, starts[s] - 1, -1):
+            ready += B_u[x] * scale
+            ready_at.append((ready, float(grad_payload[x]), float(gather[x])))
+        runs += list(buckets(ready_at, bucket_bytes))
+    runs.sort(key=lambda r: r[0])
+    t0 = min(windows[s][0] for s in mine)
     stream = CommStream(contention_of(dp_link), free=t0)
     t_c = w_c = t0  # the compute's wall time, and the work done by then (as a full-speed time)
     after, t_all, b_all = 0.0, 0.0, 0.0
-    for when, payload, gpay, n in buckets(ready_at, bucket_bytes):
+    for when, payload, gpay, n in runs:
         if when > w_c:
             t_c = stream.run(t_c, when - w_c) if stream.k > 0 else when
             w_c = when
@@ -232,11 +310,12 @@ def rank_pieces(graphs, lo_of: Sequence[int], held, payload_of, gather_of) -> tu
 def pipeline_step(sched: Schedule, F_s: list[float], B_s: list[float], p2p: Sequence[float], k_pp: float,
                   rank_tail, what: str = "plan") -> tuple[float, list[float], list[float], float]:
     """(step, each rank's end, busy seconds, bubble): the stages' F and B stretched by the
-    transfers beside them, the schedule simulated, then per rank its end + `rank_tail(r, end)`
-    (its exposed sync, the gather after the step, its optimizer step); the slowest rank's."""
+    transfers beside them, the schedule simulated, then per rank its end + `rank_tail(r, end,
+    windows)` (its exposed sync, the gather after the step, its optimizer step; `windows`: per
+    stage its last gradient action, `simulate_ranks`); the slowest rank's."""
     stretch_stage_times(F_s, B_s, p2p, k_pp)
-    ends_r, busy, bubble = simulate_ranks(sched, F_s, B_s, p2p, what)
-    return max(e + rank_tail(r, e) for r, e in enumerate(ends_r)), ends_r, busy, bubble
+    ends_r, busy, bubble, windows = simulate_ranks(sched, F_s, B_s, p2p, what)
+    return max(e + rank_tail(r, e, windows) for r, e in enumerate(ends_r)), ends_r, busy, bubble
 
 
 class AlgorithmLink:
@@ -269,9 +348,11 @@ def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, valu
     tensor-parallel conversions it consumes per micro-batch (`cost.tp_conversions.node_tp_seconds`);
     `zero3_units`: (gather, reduce-scatter payloads per unit) under ZeRO 3 with dp > 1, walked
     per stage (`stage_zero3`); `algorithm`: the data-parallel collectives' (estimate's)."""
-    F_s = [float(sum(fwd_t[n.index] for n in g.nodes)) for g in graphs]
+    pos = {n.index: i for i, n in enumerate(gc.nodes)}
+    runs = [stage_run_nodes(gc, pos[g.nodes[0].index], pos[g.nodes[-1].index] + 1) for g in graphs]
+    F_s = [float(sum(fwd_t[k] for k in run)) for run in runs]
     # a stage's checkpoint regions recompute their forward in its backward, every micro-batch
-    B_s = [float(sum(bwd_t[n.index] for n in g.nodes)) + mems[s].recompute_s for s, g in enumerate(graphs)]
+    B_s = [float(sum(bwd_t[k] for k in run)) + mems[s].recompute_s for s, run in enumerate(runs)]
     pp_link, dp_link = links.get("pp"), links.get(dp_axis) if dp_axis and dp > 1 else None
     if dp_link is not None:
         dp_link = AlgorithmLink(dp_link, algorithm)
@@ -294,9 +375,9 @@ def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, valu
     pay, gat = rank_pieces(graphs, [g.nodes[0].index for g in graphs], held_states(gc), payload_of, gather_of)
     opt_r = [sum(mems[s].opt_bytes for s in sched.stages_of(r)) / mem_speed for r in range(sched.n_ranks)]
 
-    def tail(r: int, end: float) -> float:
+    def tail(r: int, end: float, windows) -> float:
         exposed, after, _t, _b = dp_sync(sched.stages_of(r), starts, ends, B_s, B_u, end, pay, gat, dp_link, zero, dp,
-                                         n_micro, caps)
+                                         n_micro, caps, windows)
         return exposed + after + zero3_tail(sched.stages_of(r), z3) + opt_r[r]
 
     step, _ends, _busy, bubble = pipeline_step(sched, F_s, B_s, p2p, contention_of(pp_link), tail, "estimate")

@@ -27,12 +27,13 @@ __all__ = ["buckets", "dp_sync", "zero3_exposed"]
 
 
 def dp_sync(mine, starts, ends, B_s, B_u, end_r: float, st: UnitStates, dp_link, z: int, c: Candidate,
-            bucket_bytes: tuple[float, float]) -> tuple[float, float, float, float]:
+            bucket_bytes: tuple[float, float], windows=None) -> tuple[float, float, float, float]:
     """(exposed, after the step, time, bytes sent) of a rank's data-parallel gradient sync (its
-    stages `mine`, its last backward ending at `end_r`), on the dp (with cp: dp+cp) link, per
-    pipeline unit: `cost.pipeline_time.dp_sync`, the function `cost.estimate` calls per node."""
+    stages `mine`, each reduced as its last gradient action, `windows[s]`, makes them; its last
+    action ending at `end_r`), on the dp (with cp: dp+cp) link, per pipeline unit:
+    `cost.pipeline_time.dp_sync`, the function `cost.estimate` calls per node."""
     return pipeline_dp_sync(mine, starts, ends, B_s, B_u, end_r, st.grad_payload, st.gather, dp_link, z, c.replicas,
-                            c.micro, bucket_bytes)
+                            c.micro, bucket_bytes, windows)
 
 
 def zero3_exposed(fwd: np.ndarray, bwd: np.ndarray, st: UnitStates, al) -> tuple[np.ndarray, np.ndarray]:

@@ -70,8 +70,8 @@ the cutoff it is pruned unwalked (its peak then the per-unit model's).
 Simplifications (stated so that a reader can weigh predictions): times are per rank and the
 same on every tp/dp rank; stage-boundary transfers send the whole activation (a sequence-
 parallel boundary would send 1/t of it); the working set is the whole graph's, on every
-stage; data parallel comm of virtual stages other than the rank's last is taken as ready when
-the rank's last backward starts; with pp > 1 every gradient is taken as allocated while
+stage; each stage's data-parallel buckets run on one stream per rank (the engines share the
+link); with pp > 1 every gradient is taken as allocated while
 activations peak (one micro-batch: conservative by up to the gradients), the split DP takes ZeRO 3
 per unit (the chosen split walks it per stage), and recomputed blocks keep their input only
 (collective outputs inside a block, which the recompute pass keeps, are not counted; the
@@ -97,7 +97,7 @@ from autopar.search.candidate import Candidate, Evaluation
 from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
 from autopar.search.plan_comm_report import comm_report
 from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks, stage_recompute_seconds
-from autopar.search.plan_pipeline_time import zero3_stage_times
+from autopar.search.plan_pipeline_time import stage_node_shift, zero3_stage_times
 from autopar.search.plan_split import INF, SplitChain, chain_factor, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
 from autopar.search.shard_tables import ShardInfo
@@ -402,7 +402,12 @@ class PlanCostModel(PlanTables):
             states_s.append(base_st[s])
             cats_s.append(chain.categories(i, j))
             rc_s.append(rtime)
-        F_s, B_s, z3_s = zero3_stage_times(self, c, rows, starts, ends, u, links.get("dp"), F_s, B_s, f0, b0, rc_s, one)
+        shift = stage_node_shift(self, c, u, starts, ends) if S > 1 else None  # input-free copies per stage
+        if shift is not None:
+            F_s = [a + x for a, x in zip(F_s, shift[0])]
+            B_s = [a + x for a, x in zip(B_s, shift[1])]
+        F_s, B_s, z3_s = zero3_stage_times(self, c, rows, starts, ends, u, links.get("dp"), F_s, B_s, f0, b0, rc_s, one,
+                                           shift)
         # pipeline transfers slow the compute beside them (`cost.pipeline_time`, as cost.estimate)
         stretch_stage_times(F_s, B_s, [float(hop[starts[s + 1] - 1]) for s in range(S - 1)], contention_of(pp_link))
         # per rank: its states by category and its optimizer step (no schedule needed)
@@ -491,13 +496,14 @@ class PlanCostModel(PlanTables):
                               flops=0.0, mfu=0.0, tokens_per_s=0.0, notes=["over the memory limit"], **common)
         # time: the schedule, then per rank data-parallel sync, the optimizer step
         if sim is not None:
-            ends_r, busy, bubble = sim
+            ends_r, busy, bubble, windows = sim
         elif sched is not None:
-            ends_r, busy, bubble = simulate_ranks(sched, F_s, B_s, p2p, c.label())
+            ends_r, busy, bubble, windows = simulate_ranks(sched, F_s, B_s, p2p, c.label())
         else:
             ends_r = [m * (F_s[0] + B_s[0])]
             busy = list(ends_r)
             bubble = 0.0
+            windows = None
         dp_link = links.get("dp")
         step = 0.0
         dp_time = dp_bytes = dp_exposed_max = 0.0
@@ -508,7 +514,7 @@ class PlanCostModel(PlanTables):
                 exposed, after, t_r, b_r = rsync.exposed, rsync.after, rsync.time_s, rsync.bytes_sent
             else:
                 exposed, after, t_r, b_r = dp_sync(mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c,
-                                                   self.bucket_bytes)
+                                                   self.bucket_bytes, windows)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
             step = max(step, ends_r[r] + exposed + after + zero3_tail(mine, z3_s) + opt_r[r])

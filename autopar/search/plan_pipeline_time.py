@@ -11,6 +11,11 @@ ZeRO-3 unit payloads (`plan_rank`'s; with ep rank 0's nodes and parameters, `ran
 saved units (backward), the stage's last backward alone reduce-scatters, as the pipeline
 runtime runs its stage engines (`runtime.pipeline`: no_sync but for the last backward).
 
+`stage_node_shift`: the planner's unit tables charge an input-free node (a rotary table, a
+causal mask) to the first unit that reads it; each stage runs its own copy of every one its
+nodes read (`cost.pipeline_time.stage_run_nodes`, which estimate sums): per stage, the seconds of
+the copies it runs beyond its units' tables, less those its tables hold that it does not run.
+
 node.meta: read only through `cost.analyze` (the GraphCost); writes nothing. Deterministic;
 cached on the model per (tp, rows, cp, replicas, ep, stage node range).
 """
@@ -20,11 +25,41 @@ import dataclasses
 from typing import Any, Sequence
 
 from autopar.cost.overlap import contention_of
-from autopar.cost.pipeline_time import add_stage_terms, stage_zero3
+import numpy as np
+
+from autopar.cost.pipeline_time import add_stage_terms, stage_run_nodes, stage_zero3
 from autopar.search.candidate import Candidate
 from autopar.search.plan_pipeline_memory import stage_graph_of, unit_first_nodes
 
-__all__ = ["pipeline_zero3", "zero3_stage_times"]
+__all__ = ["pipeline_zero3", "stage_node_shift", "zero3_stage_times"]
+
+
+def _shift_nodes(model: Any, i: int, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes stage units [i, j) runs that its unit tables do not hold, nodes they hold that it
+    does not run), cached per unit range."""
+    key = ("shift_nodes", i, j)
+    hit = model._split_cache.get(key)
+    if hit is None:
+        firsts = unit_first_nodes(model)
+        run = set(stage_run_nodes(model.gc, firsts[i], firsts[j]))
+        table = {k for k, u in enumerate(model.node_unit) if i <= u < j}
+        hit = model._split_cache[key] = (np.array(sorted(run - table), dtype=np.int64),
+                                          np.array(sorted(table - run), dtype=np.int64))
+    return hit
+
+
+def stage_node_shift(model: Any, c: Candidate, u, starts: Sequence[int], ends: Sequence[int]
+                     ) -> tuple[list[float], list[float]]:
+    """Per stage of `c` split at unit `starts`: (forward, backward) seconds per micro-batch that
+    its run nodes add to its units' sums (see the module docstring); the nodes' seconds as the
+    tables time them (with ep, rank 0's: `rank_nodes`)."""
+    nf, nb = model.rank_nodes(c, u)
+    out_f, out_b = [], []
+    for i, j in zip(starts, ends):
+        extra, missing = _shift_nodes(model, i, j)
+        out_f.append(float(nf[extra].sum() - nf[missing].sum()))
+        out_b.append(float(nb[extra].sum() - nb[missing].sum()))
+    return out_f, out_b
 
 
 def pipeline_zero3(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], u,
@@ -56,15 +91,17 @@ def pipeline_zero3(model: Any, c: Candidate, rows: int, starts: Sequence[int], e
 
 
 def zero3_stage_times(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], u, link,
-                      F_s: list[float], B_s: list[float], f0, b0, rc_s: Sequence[float], one: bool):
+                      F_s: list[float], B_s: list[float], f0, b0, rc_s: Sequence[float], one: bool, shift=None):
     """(F_s, B_s, per-stage ZeRO-3 terms or None): with ZeRO 3 on a pipeline (`pipeline_zero3`),
     per stage its forward and backward seconds per micro-batch from its units' (`f0`, `b0`, with
-    their tensor-parallel conversions), its recompute (`rc_s`) and ZeRO 3's walk
+    their tensor-parallel conversions), the input-free copies it runs (`shift`, from
+    `stage_node_shift`), its recompute (`rc_s`) and ZeRO 3's walk
     (`cost.pipeline_time.add_stage_terms`); otherwise `F_s`, `B_s` as given."""
     z3 = None if one else pipeline_zero3(model, c, rows, starts, ends, u, link)
     if z3 is None:
         return F_s, B_s, None
-    F_s = [float(f0[i:j].sum()) for i, j in zip(starts, ends)]
-    B_s = [float(b0[i:j].sum()) + rc for i, j, rc in zip(starts, ends, rc_s)]
+    sf, sb = shift if shift is not None else ([0.0] * len(starts), [0.0] * len(starts))
+    F_s = [float(f0[i:j].sum()) + x for i, j, x in zip(starts, ends, sf)]
+    B_s = [float(b0[i:j].sum()) + x + rc for i, j, x, rc in zip(starts, ends, sb, rc_s)]
     add_stage_terms(F_s, B_s, None, z3)
     return F_s, B_s, z3

@@ -105,6 +105,34 @@ def test_planner_terms_by_hand():
         assert (exposed, after, t) == pytest.approx((want, 0.0, 4.0)), k
 
 
+def test_virtual_stages_reduce_their_gradients_as_their_last_backward_makes_them():
+    """Interleaved ranks hold several stages, each with its own engine whose last backward
+    launches its buckets (`runtime.pipeline`): stage 1's bucket (3 s) goes out when its last
+    backward [0, 1] ends and is done by 4, before stage 0's backward [5, 6] ends; only stage 0's
+    bucket (1 s) is exposed. Without the windows both wait for the rank's last backward: 3 s."""
+    from autopar.cost.pipeline_time import dp_sync, simulate_ranks
+    from autopar.cost.schedule import Kind, make_schedule
+
+    link = SimpleNamespace(time=lambda op, x: float(x), bytes_sent=lambda op, x: float(x), contention=0.0)
+    pay, gat = [1.0, 3.0], [0.0, 0.0]
+    args = ([0, 1], [0, 1], [1, 2], [1.0, 1.0], [1.0, 1.0], 6.0, pay, gat, link, 0, 2, 4, (10.0, 10.0))
+    assert dp_sync(*args, {0: (5.0, 6.0), 1: (0.0, 1.0)})[0] == pytest.approx(1.0)
+    assert dp_sync(*args)[0] == pytest.approx(3.0)  # old rule: both ready at 5
+    # the windows simulate_ranks gives are each stage's last B (or W) on its rank
+    sched = make_schedule("interleaved_1f1b", 2, 4, 2)
+    ends, _busy, _bubble, windows = simulate_ranks(sched, [1.0] * 4, [2.0] * 4, [0.1] * 3)
+    assert sorted(windows) == [0, 1, 2, 3]
+    for r in range(2):
+        mine = sched.stages_of(r)
+        assert max(windows[s][1] for s in mine) == pytest.approx(ends[r])
+        assert windows[min(mine)][1] == pytest.approx(ends[r])  # the lowest stage finishes the rank
+        assert windows[max(mine)][1] < ends[r] - 2.0  # its other stage's gradients are made earlier
+    zb = make_schedule("zb_h1", 2, 4)
+    _e, _b, _f, w = simulate_ranks(zb, [1.0] * 2, [2.0] * 2, [0.1])
+    assert all(w[s][1] - w[s][0] == pytest.approx(1.0) for s in (0, 1))  # its last W: half a B
+    assert all(a.kind != Kind.B for acts in zb.actions for a in acts)
+
+
 def test_estimate_slows_only_compute_that_a_collective_overlaps():
     _, _, gm = captured("gpt-tiny")
     hw = load_profile("h100-8x")

@@ -35,9 +35,14 @@ helper-46, worlds 4 and 8), the inputs differ:
 
 Expert parallelism in pipelines (pp x ep): rank 0's experts and expert collectives per stage,
 as estimate prices them, to 1e-6 on the reference MoE, dropless and with a capacity, every
-schedule, ZeRO 0-3, tp 2, with and without recompute. transformers' Mixtral pipelines (ep 1
-or 2) carry the same kind of boundary gap as vit-tiny: steps within 0.5 % under 1F1B / ZB-H1
-and up to 6.5 % longer in the planner under interleaved / ZBV, peaks within 2e-5 (2026-11-27).
+schedule, ZeRO 0-3, tp 2, with and without recompute.
+
+Input-free nodes (a rotary table made once before the first layer): every stage that reads one
+runs its own copy, as `passes.split_pipeline` builds it, in estimate and in the planner alike
+(`cost.pipeline_time.stage_run_nodes`). transformers' Mixtral's pipelines then carry only the
+boundary gap vit-tiny has: steps within 2 %, peaks within 2e-5 (worlds 4 and 8, 2026-11-27).
+Not yet equal (measured 2026-11-27, worlds 4 and 8, batch 16): transformers' Llama's peaks, up
+to 4.2 % apart with tp and 8.4 % with recompute under ZBV; gpt-tiny-tied's with recompute, 2.3 %.
 
 Recompute inside the stages (issue 22, item 6): with the recompute pinned "full" every candidate
 recomputes its blocks; the planner walks each stage's checkpoint regions as estimate walks the
@@ -127,16 +132,16 @@ def _tp_share(gm, done, plans: dict, hw: str) -> float:
     return most
 
 
-def _check(done, hw: str, step_rtol: float = RTOL) -> None:
+def _check(done, hw: str, step_rtol: float = RTOL, rtol: float = RTOL) -> None:
     for c, ev, e in done:
         label = f"{hw} {c.label()}"
         per_rank = e.memory.get("peak_per_pp_rank")
         assert per_rank is not None and len(per_rank) == c.pp, (label, e.notes)
         for r, (got, want) in enumerate(zip(ev.rank_peaks, per_rank)):
-            _close(got, want, f"{label} pp rank {r} peak memory")
-        _close(ev.peak_bytes, e.memory["peak"], f"{label} peak memory")
+            _close(got, want, f"{label} pp rank {r} peak memory", rtol)
+        _close(ev.peak_bytes, e.memory["peak"], f"{label} peak memory", rtol)
         _close(ev.step_s, e.step_s, f"{label} step", step_rtol)
-        _close(ev.recompute_s, e.recompute_s, f"{label} recompute seconds")
+        _close(ev.recompute_s, e.recompute_s, f"{label} recompute seconds", rtol)
 
 
 @pytest.mark.parametrize("hw", ["cpu-gloo", "h100-sxm"])
@@ -246,6 +251,41 @@ def test_expert_parallel_pipelines_equal_cost_estimate(name, hw):
     assert kinds == {"1f1b", "interleaved_1f1b", "zb_h1", "zbv"}, kinds
     assert {k[2] for k in seen} == {0, 1, 2, 3} and {k[3] for k in seen} == {1, 2} and {k[4] for k in seen} == {2, 4}
     assert {k[5] for k in seen} == {2, 4} and {k[6] for k in seen} == {False, True} and (True in {k[1] for k in seen})
+
+
+def test_each_stage_runs_its_own_copy_of_the_input_free_nodes(graphs):
+    """transformers' Llama makes its rotary tables once, before its first layer, from a buffer
+    and sizes only; `passes.split_pipeline` copies such input-free nodes into every stage that
+    reads them. `cost.pipeline_time.stage_run_nodes` is the split's own stage: every node of
+    the GraphCost it names is in the stage's graph, and every costed (not view) node of the
+    stage's graph is in it. Planner and estimate both sum those nodes (the planner's tables hold
+    each input-free node once, `stage_node_shift` moves the copies): transformers' Mixtral's
+    pipeline steps within 2.5 % on both profiles (before, the tables were charged to the
+    embedding stage by estimate: up to 20 % apart on h100-sxm, 2026-11-27); what is left is
+    the boundary gap of the module docstring."""
+    pytest.importorskip("transformers")
+    from autopar.cost.pipeline_memory import stage_of_nodes
+    from autopar.cost.pipeline_time import stage_run_nodes
+    from autopar.passes.split_pipeline import split_stages
+
+    gm = _capture("hf-llama", 4)
+    gc = analyze(gm, load_profile("cpu-gloo"))
+    points = ["model.layers.1"]
+    of = stage_of_nodes(gc, points)
+    costed = {n.name for n in gc.nodes if n.kind != "view"}
+    for s, stage in enumerate(split_stages(gm, points).stages):
+        lo, hi = of.index(s), len(of) - of[::-1].index(s)
+        run = {gc.nodes[k].name for k in stage_run_nodes(gc, lo, hi)}
+        fx_names = {n.name for n in stage.graph.nodes if n.op == "call_function"}
+        assert run <= fx_names, (s, sorted(run - fx_names))
+        assert (fx_names & costed) <= run, (s, sorted((fx_names & costed) - run))
+        if s == 1:  # the rotary tables' nodes sit before layer 0 in the graph, and run here too
+            assert any(gc.nodes[k].index < lo and gc.nodes[k].kind != "view" for k in stage_run_nodes(gc, lo, hi))
+    gm = _graph(graphs, "hf-mixtral")
+    for hw in ("cpu-gloo", "h100-sxm"):
+        done = _pipelines(gm, hw)
+        assert len(done) > 20
+        _check(done, hw, step_rtol=0.025, rtol=1e-3)  # memory: tens of bytes at the boundary
 
 
 def test_gpipe_candidates_equal_cost_estimate(graphs):
