@@ -40,7 +40,8 @@ as `search.plan_rank` does.
 node.meta: read only through `cost.analyze` (the GraphCost); writes nothing. Deterministic;
 walks are cached on the model per (tp, rows, cp, stage node range, ZeRO, replicas, ep, m > 1,
 recomputed units), and an interior stage of repeated blocks shares the walk of any other of the
-same unit structures, recompute and parameter gradients (`_same_as`: the same nodes on the same
+same unit structures, recompute, parameter gradients and boundary tensors (`_same_as`,
+`_boundary`: the same nodes on the same
 shapes walk alike: the 405B planner's stage walks 3316 -> 175, measured 2026-11-26). Candidates
 that differ only in ZeRO stage, replicas or ep share a stage's walk where its parameter gradients
 are equal (the walk reads those only through them: test_planner's gpt-4l exhaustive enumeration
@@ -190,16 +191,35 @@ def _unit_shape(model: Any, tp: int, x: int) -> int:
     return hit
 
 
+def _boundary(model: Any, i: int, j: int) -> tuple:
+    """What the stage of units [i, j) receives and what later stages read of it: the sizes of the
+    activations its nodes read from earlier ones, and of those later nodes read from it (a side
+    tensor made before the first layer reaches only the stages that read it), cached."""
+    key = ("stage_boundary", i, j)
+    hit = model._split_cache.get(key)
+    if hit is None:
+        firsts = unit_first_nodes(model)
+        lo, hi = firsts[i], firsts[j]
+        st, nodes = model.gc.storages, model.gc.nodes
+        recv = {k for n in nodes[lo:hi] for k in n.uses if k in st and not st[k].is_state and st[k].producer < lo}
+        later = {k for n in nodes[hi:] for k in n.uses}
+        sent = {t.key for n in nodes[lo:hi] for t in n.outputs if t.key in later}
+        hit = model._split_cache[key] = (tuple(sorted(str(st[k].nbytes) for k in recv)),
+                                         tuple(sorted(str(st[k].nbytes) for k in sent if k in st)))
+    return hit
+
+
 def _same_as(model: Any, c: Candidate, rows: int, i: int, j: int, rc: tuple[bool, ...], param_grad) -> tuple | None:
     """A key shared by the interior stages (neither the first nor the last, repeated blocks only) of
-    the same unit structures, recompute and parameter gradients: their walks are equal (the same
-    nodes on the same shapes), so one is walked for all."""
+    the same unit structures, recompute, parameter gradients and boundary tensors (`_boundary`):
+    their walks are equal (the same nodes on the same shapes), so one is walked for all."""
     if i == 0 or j >= len(model.unit_names) or not all(model.blocks[x] > 0 for x in range(i, j)):
         return None
     firsts = unit_first_nodes(model)
     pg = tuple(float(param_grad[k]) for k, p in enumerate(model.gc.params) if firsts[i] <= p.first_use < firsts[j])
     return ("stage_walk_same", c.tp, rows, c.cp, c.zero if c.replicas > 1 else 0, c.replicas, c.ep, c.micro > 1,
-            c.schedule in ("zb_h1", "zbv"), tuple(_unit_shape(model, c.tp, x) for x in range(i, j)), rc, pg)
+            c.schedule in ("zb_h1", "zbv"), tuple(_unit_shape(model, c.tp, x) for x in range(i, j)), rc, pg,
+            _boundary(model, i, j))
 
 
 def stage_memories(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], st, chain,
