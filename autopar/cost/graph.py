@@ -57,6 +57,7 @@ class NodeCost:
     outputs: tuple[TensorMeta, ...]
     fallback_cost: bool = False
     fallback_saved: bool = False
+    reads: tuple[TensorMeta, ...] = ()  # the input tensors themselves (a view's own shape), once each
 
     @property
     def kind(self) -> str:
@@ -433,7 +434,7 @@ class _Analyzer:
             bwd_flops=bwd, has_grad_fn=has_grad_fn, saved=tuple(saved), new_storages=new,
             uses=tuple(dict.fromkeys(t.key for t in c.ins)), grad_inputs=grad_inputs,
             outputs=tuple(t for t in c.outs if t is not None), fallback_cost=cost.fallback,
-            fallback_saved=fallback_saved,
+            fallback_saved=fallback_saved, reads=tuple({id(t): t for t in c.ins}.values()),
         ))  # fmt: skip
 
     def _hop(self, node: fx.Node, env, grad_enabled: bool, layer, module) -> None:

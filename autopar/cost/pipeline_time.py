@@ -9,6 +9,10 @@ every stage boundary:
                         buffers or sizes only: a rotary table, a causal mask) they read,
                         wherever it sits; each stage that reads one computes its own copy (a
                         stage's F and B sum these nodes' seconds, in estimate and planner);
+  boundary_bytes        what each stage boundary carries, as the split sends it: every input-
+                        dependent tensor made before it (a graph input included) and read after
+                        it, at its own size (a view: its elements, sent contiguous, not its
+                        base's storage), relayed by every stage it passes;
 
   stretch_stage_times   the compute beside the pipeline's own transfers runs (1 + k) times
                         slower, k the pp link's contention (`cost.overlap.slowdown`): per
@@ -65,7 +69,7 @@ from .schedule import Kind, Schedule, simulate
 from .symbolic import evaluate
 from .zero_comm import zero3_events, zero3_walk
 
-__all__ = ["AlgorithmLink", "stage_run_nodes", "add_stage_terms", "buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step",
+__all__ = ["AlgorithmLink", "boundary_bytes", "stage_run_nodes", "add_stage_terms", "buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step",
            "rank_pieces", "simulate_ranks", "stage_zero3", "stretch_stage_times", "zero3_tail"]
 
 
@@ -112,6 +116,30 @@ def stage_run_nodes(gc: GraphCost, lo: int, hi: int) -> list[int]:
         if not dep[pos[n.index]] and not _read_anywhere(gc, n.index):
             run.add(n.index)
     return sorted(run | read_free, key=pos.__getitem__)
+
+
+def boundary_bytes(gc: GraphCost, starts: Sequence[int], values, divisor) -> list[float]:
+    """Bytes per rank each boundary carries (see the module docstring): `starts[s]`, the graph
+    position where stage s + 1 begins; `divisor`: per storage key, how many ranks share it
+    (tensor-parallel layouts: a rank sends its shard)."""
+    dep, _feeds = _input_free(gc)
+    pos = {n.name: i for i, n in enumerate(gc.nodes)}
+    made: dict[int, tuple] = {}  # id -> (tensor, its producer's position (-1: a graph input), last reader)
+    for i, n in enumerate(gc.nodes):
+        for t in n.reads:
+            if t.is_state:
+                continue
+            p = pos.get(t.node, -1)
+            if p >= 0 and not dep[p]:
+                continue  # input-free: each stage that reads it computes its own copy
+            got = made.get(id(t))
+            made[id(t)] = (t, p, i) if got is None else (t, p, max(got[2], i))
+    out = [0.0] * len(starts)
+    for t, p, last in made.values():
+        for s, b in enumerate(starts):
+            if p < b <= last:
+                out[s] += float(evaluate(t.nbytes, values)) / divisor.get(t.key, 1)
+    return out
 
 
 def _read_anywhere(gc: GraphCost, index: int) -> bool:
@@ -362,8 +390,7 @@ def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, valu
               for g in graphs]
     tp_s = [sum(tp_node.get(n.index, 0.0) for n in g.nodes) for g in graphs] if tp_node else None
     add_stage_terms(F_s, B_s, tp_s, z3)
-    sent = [float(sum(evaluate(gc.storages[t.key].nbytes, values) / mem_div.get(t.key, 1) for t in g.outputs))
-            for g in graphs[:-1]]
+    sent = boundary_bytes(gc, [pos[g.nodes[0].index] for g in graphs[1:]], values, mem_div)
     p2p = [pp_link.time("send_recv", b) if pp_link is not None and b > 0 else 0.0 for b in sent]
     tp_b = tp_node or {}  # a conversion's backward half with its consumer's (as the planner's units)
     B_u = [float(bwd_t[n.index]) + tp_b.get(n.index, 0.0) / 2 for g in graphs for n in g.nodes]

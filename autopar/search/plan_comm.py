@@ -23,16 +23,36 @@ from autopar.cost.pipeline_time import buckets, dp_sync as pipeline_dp_sync
 from autopar.search.candidate import Candidate
 from autopar.search.plan_tables import UnitStates
 
-__all__ = ["buckets", "dp_sync", "zero3_exposed"]
+__all__ = ["buckets", "dp_sync", "stage_payloads", "zero3_exposed"]
+
+
+def stage_payloads(st: UnitStates, starts, ends) -> tuple[np.ndarray, np.ndarray]:
+    """Per unit, the gradient-sync and gather payloads of a split at unit `starts`, with every
+    stage's own copy of a parameter read on several stages (a tied embedding: each stage's
+    engine buckets and syncs its copy, as estimate counts each stage's parameters) at the
+    stage's first unit that reads it; `st.grad_payload` / `st.gather` hold it once."""
+    pay, gat = st.grad_payload.copy(), st.gather.copy()
+    for row, cnt in st.shared:
+        total = cnt[-1]
+        for i, j in zip(starts, ends):
+            if cnt[j] > cnt[i]:  # a reader in this stage
+                first = int(np.searchsorted(cnt[1:], cnt[i] + 1))  # its first reader unit in [i, j)
+                if not cnt[j] == total:  # the last reader's stage holds it already (grad_payload)
+                    pay[first] += row["_grad"]
+                if cnt[i] > 0:  # the first reader's stage holds it already (gather)
+                    gat[first] += row["_gather"]
+    return pay, gat
 
 
 def dp_sync(mine, starts, ends, B_s, B_u, end_r: float, st: UnitStates, dp_link, z: int, c: Candidate,
-            bucket_bytes: tuple[float, float], windows=None) -> tuple[float, float, float, float]:
+            bucket_bytes: tuple[float, float], windows=None, payloads=None) -> tuple[float, float, float, float]:
     """(exposed, after the step, time, bytes sent) of a rank's data-parallel gradient sync (its
     stages `mine`, each reduced as its last gradient action, `windows[s]`, makes them; its last
     action ending at `end_r`), on the dp (with cp: dp+cp) link, per pipeline unit:
-    `cost.pipeline_time.dp_sync`, the function `cost.estimate` calls per node."""
-    return pipeline_dp_sync(mine, starts, ends, B_s, B_u, end_r, st.grad_payload, st.gather, dp_link, z, c.replicas,
+    `cost.pipeline_time.dp_sync`, the function `cost.estimate` calls per node. `payloads`: the
+    split's (`stage_payloads`), or the units' own."""
+    pay, gat = payloads if payloads is not None else (st.grad_payload, st.gather)
+    return pipeline_dp_sync(mine, starts, ends, B_s, B_u, end_r, pay, gat, dp_link, z, c.replicas,
                             c.micro, bucket_bytes, windows)
 
 

@@ -94,7 +94,7 @@ from autopar.cost.overlap import contention_of
 from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times, zero3_tail
 from autopar.cost.schedule import fuse_backward, held_peaks, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
-from autopar.search.plan_comm import buckets, dp_sync, zero3_exposed
+from autopar.search.plan_comm import buckets, dp_sync, stage_payloads, zero3_exposed
 from autopar.search.plan_comm_report import comm_report
 from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks, stage_recompute_seconds
 from autopar.search.plan_pipeline_time import stage_node_shift, zero3_stage_times
@@ -440,6 +440,9 @@ class PlanCostModel(PlanTables):
             # I and no W (runtime/pipeline.py): price and walk that schedule
             sched = fuse_backward(self.schedule(c), fused)
             held = held_peaks(sched, act_s)
+        pays = stage_payloads(st, starts, ends) if S > 1 and st.shared else None  # each stage's tied copies
+        if pays is not None and z < 3 and R > 1:
+            trans_u = pays[0] * ((1 + 1 / R) if z == 2 else 1.0)
         rank_peaks, rank_cats = [], []
         for r in range(P):
             mine = stages_of[r]
@@ -514,7 +517,7 @@ class PlanCostModel(PlanTables):
                 exposed, after, t_r, b_r = rsync.exposed, rsync.after, rsync.time_s, rsync.bytes_sent
             else:
                 exposed, after, t_r, b_r = dp_sync(mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c,
-                                                   self.bucket_bytes, windows)
+                                                   self.bucket_bytes, windows, pays)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
             step = max(step, ends_r[r] + exposed + after + zero3_tail(mine, z3_s) + opt_r[r])
