@@ -388,7 +388,7 @@ def estimate_pipeline_step(gc, sched: Schedule, graphs, mems, fwd_t, bwd_t, valu
     if zero == 3 and dp_link is not None and zero3_units is not None:
         z3 = [stage_zero3(g, fwd_t, bwd_t, zero3_units[0], zero3_units[1], dp_link.time, contention_of(dp_link))
               for g in graphs]
-    tp_s = [sum(tp_node.get(n.index, 0.0) for n in g.nodes) for g in graphs] if tp_node else None
+    tp_s = [sum(tp_node.get(k, 0.0) for k in run) for run in runs] if tp_node else None
     add_stage_terms(F_s, B_s, tp_s, z3)
     sent = boundary_bytes(gc, [pos[g.nodes[0].index] for g in graphs[1:]], values, mem_div)
     p2p = [pp_link.time("send_recv", b) if pp_link is not None and b > 0 else 0.0 for b in sent]

@@ -13,6 +13,9 @@ simulates (at pp = 1 they add to the step: `build.predict` adds `plan.extra["sha
   edge_conversions(chosen, rg)         (consumer, producer, src, dst, partial gradient) once per
                                        (producer, target placement, partial gradient): the
                                        enumeration of `search.shard_tables.conversions`
+  consumer_positions(gm, gc)           fx node -> the GraphCost node a conversion it consumes
+                                       counts at (a node the cost model does not list: the
+                                       node before it; the graph's output: the last node)
   node_tp_seconds(gm, gc, plan, ...)   per node, the seconds of the conversions it consumes,
                                        per micro-batch (forward + backward, `cost.placements.
                                        conversion_time` at the tensor's bytes at the plan's
@@ -20,8 +23,10 @@ simulates (at pp = 1 they add to the step: `build.predict` adds `plan.extra["sha
                                        counts in its consumer's pipeline stage
 
 The joint planner charges the same conversions to the pipeline unit of their consumer
-(`search.plan_tables.units`: the tables' `tp_comm`), half to the forward and half to the
-backward, as `cost.pipeline_time.estimate_pipeline_step` splits these.
+(`search.plan_tables.units`: the tables' `tp_comm`, and per node `node_tp` at
+`consumer_positions`, which moves with a stage's copy of an input-free node), half to the
+forward and half to the backward, as `cost.pipeline_time.estimate_pipeline_step` splits these
+(over each stage's run nodes, `stage_run_nodes`).
 
 Reads node.meta through `passes.ir` (shapes, dtypes) and the sharding rules; writes none.
 Deterministic.
@@ -42,7 +47,7 @@ from autopar.passes.vocab_head import logits_input
 from .placements import Replicate, Shard, conversion_time
 from .symbolic import evaluate
 
-__all__ = ["resolve_strategies", "edge_conversions", "node_tp_seconds"]
+__all__ = ["consumer_positions", "resolve_strategies", "edge_conversions", "node_tp_seconds"]
 
 
 def resolve_strategies(gm: fx.GraphModule, plan, axis: str) -> dict[fx.Node, Strategy] | None:
@@ -111,6 +116,19 @@ def _nbytes(gc, a: fx.Node, values) -> float:
     return float(evaluate(numel * v.dtype.itemsize, values))
 
 
+def consumer_positions(gm: fx.GraphModule, gc) -> dict[fx.Node, int]:
+    """fx node -> index of the GraphCost node its conversions count at: itself, or the node
+    before it where the cost model does not list it; the graph's output: the last node."""
+    where = {n.name: n.index for n in gc.nodes}
+    last = gc.nodes[-1].index if gc.nodes else 0
+    at: dict[fx.Node, int] = {}
+    cur = gc.nodes[0].index if gc.nodes else 0
+    for n in gm.graph.nodes:
+        cur = last if n.op == "output" else where.get(n.name, cur)
+        at[n] = cur
+    return at
+
+
 def node_tp_seconds(gm: fx.GraphModule, gc, plan, values, links: Mapping[str, Any], launch_s: float,
                     axis: str = "tp") -> dict[int, float] | None:
     """Seconds per micro-batch (forward + backward) of the conversions the shard pass inserts
@@ -122,13 +140,7 @@ def node_tp_seconds(gm: fx.GraphModule, gc, plan, values, links: Mapping[str, An
     if not chosen or link is None or not gc.nodes:
         return None
     k = int(plan.mesh[axis])
-    where = {n.name: n.index for n in gc.nodes}
-    last = gc.nodes[-1].index
-    at: dict[fx.Node, int] = {}
-    cur = gc.nodes[0].index
-    for n in gm.graph.nodes:
-        cur = last if n.op == "output" else where.get(n.name, cur)
-        at[n] = cur
+    at = consumer_positions(gm, gc)
     rg = requires_grad_nodes(gm)
     memo: dict = {}
     out: dict[int, float] = {}

@@ -52,13 +52,16 @@ def stage_node_shift(model: Any, c: Candidate, u, starts: Sequence[int], ends: S
                      ) -> tuple[list[float], list[float]]:
     """Per stage of `c` split at unit `starts`: (forward, backward) seconds per micro-batch that
     its run nodes add to its units' sums (see the module docstring); the nodes' seconds as the
-    tables time them (with ep, rank 0's: `rank_nodes`)."""
+    tables time them (with ep, rank 0's: `rank_nodes`), with the tensor-parallel conversions
+    each consumes (`UnitCosts.node_tp`)."""
     nf, nb = model.rank_nodes(c, u)
+    tp = u.node_tp if u.node_tp is not None else np.zeros(len(nf))  # conversions: half forward, half backward
     out_f, out_b = [], []
     for i, j in zip(starts, ends):
         extra, missing = _shift_nodes(model, i, j)
-        out_f.append(float(nf[extra].sum() - nf[missing].sum()))
-        out_b.append(float(nb[extra].sum() - nb[missing].sum()))
+        conv = float(tp[extra].sum() - tp[missing].sum()) / 2
+        out_f.append(float(nf[extra].sum() - nf[missing].sum()) + conv)
+        out_b.append(float(nb[extra].sum() - nb[missing].sum()) + conv)
     return out_f, out_b
 
 

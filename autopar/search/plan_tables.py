@@ -102,6 +102,7 @@ class UnitCosts:
     loss_workspace: float | None = None
     node_fwd: np.ndarray | None = None  # per node of the graph: forward, backward seconds
     node_bwd: np.ndarray | None = None
+    node_tp: np.ndarray | None = None  # per node: the tp conversions it consumes (forward + backward)
 
 
 @dataclass
@@ -336,19 +337,21 @@ class PlanTables(ContextTables, RankTables):
                 for nb, md in saved:
                     act[u] += ev(nb) / md
         fwd, bwd, act, flops = (x * scale for x in (fwd, bwd, act, flops))
-        tpc, tp_bytes, loss_t = np.zeros(L), np.zeros(L), 0.0
+        tpc, tp_bytes, loss_t, node_tp = np.zeros(L), np.zeros(L), 0.0, np.zeros(len(gc.nodes))
         if t > 1:
             link = axis_links(self.hw, {"dp": max(self.world // t, 1), "tp": t})["tp"]
             loss_t = sum(link.time(op, nb, "auto") for op, _a, nb in info.loss_comm(gc, ev))  # the vocab-parallel loss:
             fwd[self.node_unit[-1]] += loss_t  # its all-reduces block the last node, as estimate times them
             memo: dict = {}
-            for unit, src, dst, pg, c0, c1 in info.conversions:
+            for unit, src, dst, pg, c0, c1, at in info.conversions:
                 nb = c0 + c1 * rows / cp  # the per-row part is activations: s / cp tokens
                 k2 = (src, dst, pg, nb)
                 tm = memo.get(k2)
                 if tm is None:
                     tm = memo[k2] = conversion_time(src, dst, pg, nb, link, t, self.hw.kernel_overhead_s)
                 tpc[unit] += tm
+                if at >= 0:
+                    node_tp[at] += tm
                 tp_bytes[unit] += conversion_bytes(src, dst, pg, nb, t)
         cross = self.cross(rows, cp, t)
         cross_in = np.concatenate([[0.0], cross])
@@ -361,6 +364,7 @@ class PlanTables(ContextTables, RankTables):
         out.node_fwd, out.node_bwd = np.zeros(len(gc.nodes)), np.zeros(len(gc.nodes))
         out.node_fwd[idx], out.node_bwd[idx] = both[:, 0], both[:, 1]
         out.node_fwd[gc.nodes[-1].index] += loss_t
+        out.node_tp = node_tp
         self._units[key] = out
         return out
 

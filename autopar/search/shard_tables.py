@@ -32,7 +32,7 @@ from autopar.cost.loss_memory import loss_collectives, loss_model
 from autopar.cost.memory import CROSS_ENTROPY, LossModel
 from autopar.cost.node_time import layout_divisors
 from autopar.cost.placements import Layout, Partial, Placement, Replicate, Shard
-from autopar.cost.tp_conversions import edge_conversions
+from autopar.cost.tp_conversions import consumer_positions, edge_conversions
 from autopar.passes.plan import Plan
 from autopar.passes.rules.sharding import value_shape
 from autopar.search.shard_ilp import node_nbytes, solve_sharding
@@ -52,7 +52,8 @@ class ShardInfo:
     strategies: dict[str, str]
     comp_div: dict[int, int]
     mem_div: dict[Any, int]
-    conversions: list[tuple[int, Placement | None, Placement, bool, float, float]]  # unit, src, dst, pg, c0, c1
+    # unit, src, dst, pg, c0, c1, the GraphCost node it counts at (`cost.tp_conversions.consumer_positions`)
+    conversions: list[tuple[int, Placement | None, Placement, bool, float, float, int]]
     sequence_parallel: bool = False
     summary: str = ""
     seconds: float = 0.0
@@ -87,16 +88,19 @@ def shard_info(gm: fx.GraphModule, gc: GraphCost, hw: Hardware, world: int, t: i
     plan = Plan(mesh={"tp": t}, dp_axis=None, node_layouts={k: Layout.of({"tp": p}) for k, p in node_pl.items()})
     plan.loss_parallel = bool(loss_parallel)
     comp_div, mem_div = layout_divisors(gc, plan)
-    convs, sp = conversions(sol, t, gc=gc, rg=rg, fx_unit=fx_unit, captured_rows=captured_rows)
+    convs, sp = conversions(sol, t, gc=gc, rg=rg, fx_unit=fx_unit, captured_rows=captured_rows,
+                            at=consumer_positions(gm, gc))
     return ShardInfo(t, sol, params, node_pl, sol.strategies(), comp_div, mem_div, convs, sp, sol.summary(),
                      sol.seconds, plan, loss_model(gc, plan))
 
 
-def conversions(sol, t: int, *, gc: GraphCost, rg, fx_unit: Mapping, captured_rows: int | None):
+def conversions(sol, t: int, *, gc: GraphCost, rg, fx_unit: Mapping, captured_rows: int | None,
+                at: Mapping | None = None):
     """The conversions the shard pass inserts for a solution, each once per (producer, target
     placement, partial gradient), charged to the first consumer's unit (`fx_unit`), with its
-    payload as c0 + c1 * rows; and whether the solution is sequence parallel (at least as many
-    all-gather / reduce-scatter pairs as all-reduces)."""
+    payload as c0 + c1 * rows and the GraphCost node it counts at (`at`, -1 without); and
+    whether the solution is sequence parallel (at least as many all-gather / reduce-scatter
+    pairs as all-reduces)."""
     b_names = [str(orig) for orig, new in gc.symbols.rename.items() if str(new) == "b"]
     other = {str(orig): int(v) for orig, new in gc.symbols.rename.items()
              for k, v in gc.values().items() if k == new and str(new) != "b"}
@@ -118,7 +122,7 @@ def conversions(sol, t: int, *, gc: GraphCost, rg, fx_unit: Mapping, captured_ro
             full = nbytes(a, 0)
             c0, c1 = (0.0, full / rows0) if shape and shape[0] == rows0 else (full, 0.0)
         unit = fx_unit.get(v)
-        out.append((unit if unit is not None else 0, src, p, pg, float(c0), float(c1)))
+        out.append((unit if unit is not None else 0, src, p, pg, float(c0), float(c1), (at or {}).get(v, -1)))
         if isinstance(p, Shard) and isinstance(src, Replicate) or isinstance(src, Partial) and isinstance(p, Shard):
             ag_rs += 1
         if isinstance(src, Partial) and isinstance(p, Replicate):
