@@ -53,8 +53,16 @@ DEFAULT_HOST_MEMORY_BANDWIDTH = 50e9  # bytes/s of CPU DRAM one device's optimiz
 # 2026-11-26 on the 2-core development host (torch 2.13): a 16-block GPT at width 64 trained 81 ms
 # a step with every block selective against 43 ms fully checkpointed, 22 us per node per pass;
 # torch.utils.checkpoint alone on a chain of small ops, 16-22 us per op over plain checkpointing.
-# The same figure serves the GPU profiles until measured on a GPU host (not done yet).
+# A profile's host section overrides it: h100-sxm 52 us (measured on an H100's host by `autopar
+# tune`, 2026-11-27), cpu-gloo 15 us (the same item here, now that plain checkpointing's own host
+# time is priced apart, `checkpoint_node_s`).
 DEFAULT_SELECTIVE_NODE_S = 20e-6
+# Host time per node of a checkpointed region beyond re-running its forward: torch.utils.checkpoint's
+# saved-tensor hooks and the recompute replaying them (non-reentrant; passes/recompute.py). Measured
+# 2026-11-27 on the 2-core development host (torch 2.13) by `autopar tune`'s "selective" item: a
+# chain of 200 small ops, checkpointed, 2.82 ms a forward + backward against 1.14 ms plain and 0.45
+# ms for one more forward: 12.3 us per node (2 ops). Not measured on a GPU host yet.
+DEFAULT_CHECKPOINT_NODE_S = 12e-6
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -115,6 +123,7 @@ class Hardware:
     host_bandwidth: float = DEFAULT_HOST_BANDWIDTH
     host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH
     selective_node_s: float = DEFAULT_SELECTIVE_NODE_S  # the "host" section's selective_checkpoint_node_s
+    checkpoint_node_s: float = DEFAULT_CHECKPOINT_NODE_S  # the "host" section's checkpoint_node_s
     compute: ComputeTable | None = None  # efficiency by shape; None: the flat factors alone
     # compute slowdown while a collective overlaps it, per link kind: compute time x (1 + k)
     # over the overlapped interval (the profile's optional "contention" section; 0: none)
@@ -207,7 +216,8 @@ class Hardware:
             "kernel_overhead_s": d["kernel_overhead_s"], "kernels": dict(d["kernels"]),
             "calibration": dict(d["calibration"]),
             "host": {"bandwidth": d["host_bandwidth"], "memory_bandwidth": d["host_memory_bandwidth"],
-                     "selective_checkpoint_node_s": d["selective_node_s"]},
+                     "selective_checkpoint_node_s": d["selective_node_s"],
+                     "checkpoint_node_s": d["checkpoint_node_s"]},
             "contention": dict(d["contention"]),
             **({"compute": self.compute.to_dict()} if self.compute is not None else {}),
         }  # fmt: skip
@@ -300,6 +310,7 @@ def from_dict(d: Mapping[str, Any]) -> Hardware:
             host_bandwidth=float(d.get("host", {}).get("bandwidth", DEFAULT_HOST_BANDWIDTH)),
             host_memory_bandwidth=float(d.get("host", {}).get("memory_bandwidth", DEFAULT_HOST_MEMORY_BANDWIDTH)),
             selective_node_s=float(d.get("host", {}).get("selective_checkpoint_node_s", DEFAULT_SELECTIVE_NODE_S)),
+            checkpoint_node_s=float(d.get("host", {}).get("checkpoint_node_s", DEFAULT_CHECKPOINT_NODE_S)),
             compute=table_from_dict(d["compute"], d.get("name", "?")) if d.get("compute") is not None else None,
             contention=_contention(d),
         )  # fmt: skip

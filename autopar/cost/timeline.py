@@ -27,10 +27,11 @@ backward   as `memory.liveness`: gradient buffers reference-counted through view
 The bytes held at the end of the forward (`Timeline.saved`) are what saved_tensors_hooks
 see (autograd's saved tensors and the regions' inputs) plus what the selective cache keeps.
 Recomputation's FLOPs (FlopCounterMode convention) and time (the hardware profile's roofline,
-`estimate`'s per-node times) are the forward costs of the nodes recomputed, plus, for a selective
-region (one that saves some of its nodes), the host time of torch's selective-checkpoint dispatch
-mode over all its nodes in the forward and again in the recompute (the profile's
-`selective_node_s`: cost/hardware.py); `region_recompute` gives one region's without the
+`estimate`'s per-node times) are the forward costs of the nodes recomputed, plus the
+checkpoint's own host time over all its nodes (saved-tensor hooks and their replay: the profile's
+`checkpoint_node_s`), plus, for a selective region (one that saves some of its nodes), the host
+time of torch's selective-checkpoint dispatch mode over all its nodes in the forward and again in
+the recompute (`selective_node_s`: cost/hardware.py); `region_recompute` gives one region's without the
 walk (the planner prices a pipeline stage's recompute per block with it).
 
 For the recompute search the walk can attribute memory to *segments* (consecutive runs of
@@ -448,7 +449,10 @@ def _recompute_cost(r: Region, seq: Sequence[int], nodes, ev, timer, cdiv) -> tu
         if n.kind not in ("view", "none"):
             secs += timer.node(n, d)[0]
             done += 1
-    if r.save:  # selective: the dispatch mode's host time over the region, in its forward and its recompute
+    # the checkpoint's own host time (its saved-tensor hooks and their replay) over the region; a
+    # selective one's dispatch mode on top, in its forward and its recompute
+    secs += len(r.nodes) * timer.hw.checkpoint_node_s
+    if r.save:
         secs += 2 * len(r.nodes) * timer.hw.selective_node_s
     return flops, secs, done
 

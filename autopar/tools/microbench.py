@@ -219,8 +219,11 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
 
 def _run_selective(out: dict[str, Any], device: str) -> dict[str, Any]:
     """The selective item: a chain of `ops` small ops (linear, sin, mul, add), forward and
-    backward under plain checkpointing and under selective checkpointing that recomputes every
-    op (torch.utils.checkpoint's dispatch mode, as passes/recompute.py runs a region)."""
+    backward without checkpointing, under plain checkpointing and under selective checkpointing
+    that recomputes every op (torch.utils.checkpoint's dispatch mode, as passes/recompute.py runs
+    a region), and its forward alone. `node_s`: the dispatch mode's host time per node and pass
+    over plain checkpointing; `checkpoint_node_s`: plain checkpointing's per node beyond the
+    forward it runs again (its saved-tensor hooks and their replay)."""
     import functools  # noqa: PLC0415
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: PLC0415
@@ -239,15 +242,27 @@ def _run_selective(out: dict[str, Any], device: str) -> dict[str, Any]:
     plain = lambda: checkpoint(body, x, w, use_reentrant=False, preserve_rng_state=False).sum().backward()  # noqa: E731
     sac = lambda: checkpoint(body, x, w, use_reentrant=False, preserve_rng_state=False,  # noqa: E731
                              context_fn=policy).sum().backward()
+    none = lambda: body(x, w).sum().backward()  # noqa: E731
+    fwd = lambda: body(x, w).sum()  # noqa: E731
     full_s, sel_s = _median_time(plain, device), _median_time(sac, device)
-    out.update(seconds=sel_s, full_s=full_s, node_s=max(0.0, (sel_s - full_s) / n / 2 * OPS_PER_NODE))
+    none_s, fwd_s = _median_time(none, device), _median_time(fwd, device)
+    out.update(seconds=sel_s, full_s=full_s, none_s=none_s, fwd_s=fwd_s,
+               node_s=max(0.0, (sel_s - full_s) / n / 2 * OPS_PER_NODE),
+               checkpoint_node_s=max(0.0, (full_s - none_s - fwd_s) / n * OPS_PER_NODE))
     return out
 
 
 def fit_selective(items: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The profile's `selective_node_s` the measured selective items give (their median), or None."""
-    got = [it["node_s"] for it in items if it.get("kind") == "selective" and "node_s" in it]
-    return {"node_s": statistics.median(got), "items": len(got)} if got else None
+    """The profile's `selective_node_s` (and `checkpoint_node_s` where measured) the measured
+    selective items give (their medians), or None."""
+    got = [it for it in items if it.get("kind") == "selective" and "node_s" in it]
+    if not got:
+        return None
+    out = {"node_s": statistics.median(it["node_s"] for it in got), "items": len(got)}
+    ck = [it["checkpoint_node_s"] for it in got if "checkpoint_node_s" in it]
+    if ck:
+        out["checkpoint_node_s"] = statistics.median(ck)
+    return out
 
 
 class _Clock:

@@ -202,6 +202,9 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
     if sel is not None:  # host time of the selective-checkpoint dispatch mode, per node and pass
         d.setdefault("host", {})["selective_checkpoint_node_s"] = sel["node_s"]
         fits["selective checkpoint"] = {**sel, "was": base.selective_node_s}
+        if "checkpoint_node_s" in sel:  # plain checkpointing's host time per node
+            d["host"]["checkpoint_node_s"] = sel["checkpoint_node_s"]
+            fits["selective checkpoint"]["checkpoint_was"] = base.checkpoint_node_s
     con = fit_contention(compute)
     if con is not None:  # measured over the world's group, on this one node: the intra-node link's k
         d["contention"] = {**d["contention"], "intra_node": con["k"]}
@@ -451,7 +454,9 @@ def _fit_line(k: str, v: dict) -> str:
     if k == "contention":
         return f"contention k {v['k']:.3g} (was {v['was']:.3g})"
     if k == "selective checkpoint":
-        return f"selective checkpoint {v['node_s'] * 1e6:.3g} us/node (was {v['was'] * 1e6:.3g})"
+        ck = (f"; checkpoint {v['checkpoint_node_s'] * 1e6:.3g} us/node (was {v['checkpoint_was'] * 1e6:.3g})"
+              if "checkpoint_node_s" in v else "")
+        return f"selective checkpoint {v['node_s'] * 1e6:.3g} us/node (was {v['was'] * 1e6:.3g}){ck}"
     if k == "compute table":
         return f"compute table refitted ({v['matmul shapes']} GEMM, {v['attention shapes']} attention shapes)"
     return k
