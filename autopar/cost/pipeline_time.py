@@ -58,6 +58,8 @@ Pure functions of numbers: reads no node.meta. Deterministic.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Mapping, Sequence
 
 import dataclasses
@@ -134,12 +136,14 @@ def boundary_bytes(gc: GraphCost, starts: Sequence[int], values, divisor) -> lis
                 continue  # input-free: each stage that reads it computes its own copy
             got = made.get(id(t))
             made[id(t)] = (t, p, i) if got is None else (t, p, max(got[2], i))
-    out = [0.0] * len(starts)
+    diff = [0.0] * (len(starts) + 1)  # boundaries s with p < starts[s] <= last: a run of them
     for t, p, last in made.values():
-        for s, b in enumerate(starts):
-            if p < b <= last:
-                out[s] += float(evaluate(t.nbytes, values)) / divisor.get(t.key, 1)
-    return out
+        lo, hi = bisect.bisect_right(starts, p), bisect.bisect_right(starts, last)
+        if lo < hi:
+            nb = float(evaluate(t.nbytes, values)) / divisor.get(t.key, 1)
+            diff[lo] += nb
+            diff[hi] -= nb
+    return list(itertools.accumulate(diff[:-1]))
 
 
 def _read_anywhere(gc: GraphCost, index: int) -> bool:
