@@ -6,15 +6,13 @@ Sections, each a row (or rows) of the table, each OK or FAIL with the reason:
 * kernels  tests/unit/test_kernels.py: on a GPU its child runs every parity test with the
            kernels compiled for the device (the interpreter only where there is no GPU).
 * train    parallelize at world 1 (NCCL) on a Llama-style GPT of about 1 B parameters, bf16,
-           batch 4 x 2048, AdamW: plain DP, ZeRO-1/2/3, fusions off (the default lets the cost
-           model pick the Triton fusions), recompute (memory_budget=0.5), pure bf16 (dp and
-           ZeRO-3; the others bf16-mixed; at world 1 parallelize runs ZeRO 1-3 as the plain
-           engine, nothing being sharded), ZeRO-3 with offload through parallelize, and the
-           ZeRO-3 engine itself on the eager module, without and with offload. Each
-           row: the median step time, its ratio to eager PyTorch and to torch.compile measured
-           in the same run, the cost model's predicted step time and peak memory against the
-           measured ones (torch.cuda.max_memory_allocated), and the first loss against
-           eager's (same seed and batch).
+           batch 4 x 2048, AdamW: plain DP, ZeRO-1/2/3 (the plain engine at world 1), fusions off
+           (the default lets the cost model pick the Triton fusions), recompute (memory_budget
+           0.5), pure bf16 (dp, ZeRO-3; the others bf16-mixed), ZeRO-3 offload (priced with the
+           host bandwidths measured in the job), and the ZeRO-3 engine itself on the eager
+           module, without and with offload. Each row: the median step time, its ratio to eager
+           and torch.compile measured in the same run, the predicted step time and peak against
+           the measured (torch.cuda.max_memory_allocated), the first loss against eager's.
 * api      parallelize + step + optimizer + checkpoint save / load + export_state_dict of a
            small GPT on the GPU (zero_stage=3, run by the plain engine at world 1): the loss after
            load equals the loss before save.
@@ -176,23 +174,17 @@ def _time_steps(ctx: Ctx, step: Callable[[int], float], warmup: int, timed: int)
 
 
 def _host_measured_profile(ctx: Ctx) -> tuple[str, str]:
-    """(path of a profile, note): the device's profile with its host link and host memory
-    bandwidth refitted, as `autopar tune` does, to offload's pinned copies and CPU fused AdamW
-    measured on this machine now. The shipped h100-sxm host figures are a share of an 8-GPU
-    node's; a lent one-GPU machine has the host to itself."""
+    """(path of a profile, note): the device's profile with its host link and host memory bandwidth
+    refitted by `autopar tune`'s fit to offload's pinned copies and CPU fused AdamW (microbench's
+    host items) measured here now: h100-sxm's are an 8-GPU node's share, a lent GPU has the host."""
     from autopar.cost.hardware import load_profile
-    from autopar.tools.microbench import run_compute
+    from autopar.tools.microbench import compute_suite, run_compute
     from autopar.tools.tune import fit_profile
 
-    base = load_profile("cpu-gloo" if ctx.dry else "h100-sxm")
     dev = ctx.device.type
-    items = [{"kind": "host_step", "dtype": "fp32", "numel": n} for n in ((2**20, 2**22) if ctx.dry else (2**24, 2**26))]
-    if dev == "cuda":
-        items += [{"kind": "host_copy", "dtype": "fp32", "numel": n, "direction": d}
-                  for n in (2**24, 2**26) for d in ("h2d", "d2h")]
-    fitted, fits = fit_profile(base, [run_compute(it, dev) for it in items], [])
-    path = ctx.out.parent / "gpu_check_host_profile.json"
-    fitted.save(path)
+    items = [run_compute(i, dev) for i in compute_suite(dev, quick=True) if i["kind"] in ("host_copy", "host_step")]
+    fitted, fits = fit_profile(load_profile("cpu-gloo" if ctx.dry else "h100-sxm"), items, [])
+    fitted.save(path := ctx.out.parent / "gpu_check_host_profile.json")
     got = "; ".join(f"{k} {v['rate'] / 1e9:.0f} GB/s (profile {v['was'] / 1e9:.0f})" for k, v in fits.items()
                     if k.startswith("host"))
     return str(path), f"host measured here: {got}; "

@@ -199,12 +199,11 @@ def fit_profile(base: Hardware, compute: list[dict], colls: list[dict]) -> tuple
         _set_rate(d, ("topology", "intra_node", "bandwidth"), "intra_node", beta, fits, "intra-node link")
         fits["intra-node link"]["latency"] = alpha
     sel = fit_selective(compute)
-    if sel is not None:  # host time of the selective-checkpoint dispatch mode, per node and pass
+    if sel is not None:  # host time of the selective-checkpoint dispatch mode per node and pass; plain checkpointing's
         d.setdefault("host", {})["selective_checkpoint_node_s"] = sel["node_s"]
-        fits["selective checkpoint"] = {**sel, "was": base.selective_node_s}
-        if "checkpoint_node_s" in sel:  # plain checkpointing's host time per node
+        fits["selective checkpoint"] = {**sel, "was": base.selective_node_s, "checkpoint_was": base.checkpoint_node_s}
+        if "checkpoint_node_s" in sel:
             d["host"]["checkpoint_node_s"] = sel["checkpoint_node_s"]
-            fits["selective checkpoint"]["checkpoint_was"] = base.checkpoint_node_s
     con = fit_contention(compute)
     if con is not None:  # measured over the world's group, on this one node: the intra-node link's k
         d["contention"] = {**d["contention"], "intra_node": con["k"]}
