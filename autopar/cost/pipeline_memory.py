@@ -112,13 +112,26 @@ def held_states(gc: GraphCost) -> list[set]:
     input-dependent node reads, itself or through the input-free nodes that feed it (cached on
     the GraphCost); an input-free node holds none (split_pipeline copies it to its readers)."""
     hit = gc.__dict__.get("_autopar_held_states")
+    if hit is None:
+        dep, _feeds, via = dependence(gc)
+        hit = gc.__dict__["_autopar_held_states"] = [v if d else set() for d, v in zip(dep, via)]
+    return hit
+
+
+def dependence(gc: GraphCost) -> tuple[list[bool], list[frozenset], list[set]]:
+    """Per node of `gc` (cached on the GraphCost): whether it depends on the graph's inputs; the
+    input-free nodes (from parameters, buffers or sizes only) it reads, directly or through
+    other input-free nodes (an input-free node counts itself); the parameter and buffer
+    storages it reads, itself or through input-free producers."""
+    hit = gc.__dict__.get("_autopar_dependence")
     if hit is not None:
         return hit
     st = gc.storages
     dep: dict[int, bool] = {}
-    via: dict[int, set] = {}  # per node index: the states it reads, itself or through input-free producers
+    feeds: dict[int, frozenset] = {}
+    via: dict[int, set] = {}
     for n in gc.nodes:
-        d, got = False, set()
+        d, free, got = False, set(), set()
         for k in n.uses:
             x = st.get(k)
             if x is None:
@@ -128,11 +141,13 @@ def held_states(gc: GraphCost) -> list[set]:
             elif x.producer < 0 or dep.get(x.producer, True):
                 d = True
             else:
+                free |= feeds[x.producer]
                 got |= via[x.producer]
         dep[n.index], via[n.index] = d, got
-    held = [via[n.index] if dep[n.index] else set() for n in gc.nodes]
-    gc.__dict__["_autopar_held_states"] = held
-    return held
+        feeds[n.index] = frozenset(free) if d else frozenset(free | {n.index})
+    hit = gc.__dict__["_autopar_dependence"] = ([dep[n.index] for n in gc.nodes], [feeds[n.index] for n in gc.nodes],
+                                                [via[n.index] for n in gc.nodes])
+    return hit
 
 
 def in_flight(schedule: str | None, pp: int, m: int, s: int) -> int:
@@ -261,6 +276,6 @@ def rank_peaks(schedule: Schedule, stages: Sequence[StageMemory], zero3_transien
     return out
 
 
-__all__ = ["SplitBackward", "StageMemory", "StageWalk", "forward_peak", "held_states", "in_flight",
+__all__ = ["SplitBackward", "StageMemory", "StageWalk", "dependence", "forward_peak", "held_states", "in_flight",
            "pipeline_schedule", "rank_peaks", "received_grad_bytes", "split_backward", "stage_graph", "stage_of_nodes",
            "stage_regions", "stage_walk"]

@@ -66,39 +66,14 @@ import dataclasses
 
 from .graph import GraphCost
 from .overlap import CommStream, contention_of, slowdown
-from .pipeline_memory import held_states
+from .pipeline_memory import dependence, held_states
 from .schedule import Kind, Schedule, simulate
 from .symbolic import evaluate
 from .zero_comm import zero3_events, zero3_walk
 
-__all__ = ["AlgorithmLink", "boundary_bytes", "stage_run_nodes", "add_stage_terms", "buckets", "dp_sync", "estimate_pipeline_step", "pipeline_step",
-           "rank_pieces", "simulate_ranks", "stage_zero3", "stretch_stage_times", "zero3_tail"]
-
-
-def _input_free(gc: GraphCost) -> tuple[list[bool], list[frozenset]]:
-    """Per node of `gc`: whether it depends on the graph's inputs, and the input-free nodes it
-    reads, directly or through other input-free nodes (an input-free node counts itself), as
-    `pipeline_memory.held_states` tells them apart (cached on the GraphCost)."""
-    hit = gc.__dict__.get("_autopar_input_free")
-    if hit is not None:
-        return hit
-    st = gc.storages
-    dep: dict[int, bool] = {}
-    feeds: dict[int, frozenset] = {}
-    for n in gc.nodes:
-        d, got = False, set()
-        for k in n.uses:
-            x = st.get(k)
-            if x is None or x.is_state:
-                continue
-            if x.producer < 0 or dep.get(x.producer, True):
-                d = True
-            else:
-                got |= feeds[x.producer]
-        dep[n.index] = d
-        feeds[n.index] = frozenset(got) if d else frozenset(got | {n.index})
-    hit = gc.__dict__["_autopar_input_free"] = ([dep[n.index] for n in gc.nodes], [feeds[n.index] for n in gc.nodes])
-    return hit
+__all__ = ["AlgorithmLink", "add_stage_terms", "boundary_bytes", "buckets", "dp_sync", "estimate_pipeline_step",
+           "pipeline_step", "rank_pieces", "simulate_ranks", "stage_run_nodes", "stage_zero3", "stretch_stage_times",
+           "zero3_tail"]
 
 
 def stage_run_nodes(gc: GraphCost, lo: int, hi: int) -> list[int]:
@@ -106,7 +81,7 @@ def stage_run_nodes(gc: GraphCost, lo: int, hi: int) -> list[int]:
     its input-dependent nodes and the input-free nodes they read, wherever those sit (see the
     module docstring). An input-free node in [lo, hi) that no input-dependent node reads stays
     with it (nothing else would run it)."""
-    dep, feeds = _input_free(gc)
+    dep, feeds = dependence(gc)[:2]
     pos = {n.index: i for i, n in enumerate(gc.nodes)}
     run: set[int] = set()
     read_free: set[int] = set()
@@ -124,7 +99,7 @@ def boundary_bytes(gc: GraphCost, starts: Sequence[int], values, divisor) -> lis
     """Bytes per rank each boundary carries (see the module docstring): `starts[s]`, the graph
     position where stage s + 1 begins; `divisor`: per storage key, how many ranks share it
     (tensor-parallel layouts: a rank sends its shard)."""
-    dep, _feeds = _input_free(gc)
+    dep, _feeds = dependence(gc)[:2]
     pos = {n.name: i for i, n in enumerate(gc.nodes)}
     made: dict[int, tuple] = {}  # id -> (tensor, its producer's position (-1: a graph input), last reader)
     for i, n in enumerate(gc.nodes):
@@ -150,7 +125,7 @@ def _read_anywhere(gc: GraphCost, index: int) -> bool:
     """Whether an input-dependent node of `gc` reads input-free node `index` (cached)."""
     hit = gc.__dict__.get("_autopar_free_read")
     if hit is None:
-        dep, feeds = _input_free(gc)
+        dep, feeds = dependence(gc)[:2]
         hit = gc.__dict__["_autopar_free_read"] = set().union(*(f for d, f in zip(dep, feeds) if d))
     return index in hit
 

@@ -160,7 +160,8 @@ def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_gra
     div = model.rank_mem_div(c.tp, rows, ep, c.cp)
     loss = model.sharding(c.tp).loss if hi == N else HELD_OUTPUTS  # the last stage's: gathered or vocab-parallel
     w = stage_walk(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss, later=c.micro > 1,
-                   regions=_regions(model, units, g), hardware=model.hw, compute_divisor=_compute_divisor(model, c, rows))
+                   regions=_regions(model, units, g), hardware=model.hw,
+                   compute_divisor=_compute_divisor(model, c, rows))
     scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
     split = (split_backward(g, values, param_grad_bytes=pg, storage_divisor=div, loss=loss).scaled(scale)
              if lo > 0 and splits else None)  # stage 0: its W is its whole backward; a stage that recomputes: fused
