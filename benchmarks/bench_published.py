@@ -226,17 +226,19 @@ class Row:
     cp: int = 1  # context-parallel degree of the published plan
     vpp: int | None = None  # published virtual stages per pipeline rank (interleaved_1f1b), if given
     layer_ms: tuple[float, float] | None = None  # published (forward, backward) ms of one transformer block per step
+    layer_ms_rc: tuple[float, float] | None = None  # the same, the block recomputed as the row's run recomputed it
     loss_parallel: bool = False  # the run kept the logits vocab-sharded (torchtitan's loss_parallel, Megatron's
     # vocab_parallel_cross_entropy): the planner's "loss_parallel" pin
     our_fusions: bool = False  # the run was autopar's, with the plan's Triton fusions: priced with them
     # (`plan.predicted["with_fusions"]`, search/plan_write.price_fusions), as it ran
 
 
-def _mega(key, h, a, L, tp, pp, batch, t, micro=1, layer_ms=None):
+def _mega(key, h, a, L, tp, pp, batch, t, micro=1, layer_ms=None, layer_ms_rc=None):
     return Row(key, ("gpt3", h, a, L), tp * pp, "a100-80gb", 2048, batch,
-               {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0, "n_microbatches": batch // micro, "recompute": "none",
-                **({"schedule": "1f1b"} if pp > 1 else {})}, "step_s", t, "Korthikanti et al. 2022, Table 5",
-               layer_ms=layer_ms, loss_parallel=True)  # Megatron-LM's vocab_parallel_cross_entropy
+               {"tp": tp, "pp": pp, "dp": 1, "zero_stage": 0, "n_microbatches": batch // micro,
+                "recompute": "selective", **({"schedule": "1f1b"} if pp > 1 else {})}, "step_s", t,
+               "Korthikanti et al. 2022, Table 5", layer_ms=layer_ms, layer_ms_rc=layer_ms_rc,
+               loss_parallel=True)  # Megatron-LM's vocab_parallel_cross_entropy
 
 
 def _llama(key, gpus, dp, per_dp, mfu, seq=8192, cp=1):
@@ -254,7 +256,7 @@ ROWS: dict[str, Row] = {r.key: r for r in [
         "n_microbatches": 1, "recompute": "none"}, "step_s", 0.123, "benchmarks/RESULTS.md gpu_check, measured",
         our_fusions=True),
     _mega("megatron-22b", 6144, 64, 48, 8, 1, 4, 1.10, micro=4,  # Table 3: micro-batch 4 = the global batch
-          layer_ms=(7.2, 11.8)),  # Table 4, "sequence parallelism" (no recompute, as costed): one layer
+          layer_ms=(7.2, 11.8), layer_ms_rc=(7.2, 13.1)),  # Table 4: SP; SP + selective recompute
     _mega("megatron-175b", 12288, 96, 96, 8, 8, 64, 13.75),
     _mega("megatron-530b", 20480, 128, 105, 8, 35, 280, 37.83),
     _mega("megatron-1t", 25600, 160, 128, 8, 64, 512, 71.49),
@@ -305,7 +307,7 @@ def _build_and_capture(row: Row):
 ATTENTION = {"flash": {}, "unfused": {"sdpa": "math", "sdpa_math_upcast": False}}
 
 
-def hardware(row: Row, attention: str = "flash"):
+def hardware(row: Row, attention: str = "unfused"):
     from autopar.cost import load_profile
 
     if attention not in ATTENTION:
@@ -374,7 +376,7 @@ def row_pins(row: Row, pp_virtual: int | None = None) -> dict[str, Any]:
     return pins
 
 
-def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, attention: str = "flash") -> dict[str, Any]:
+def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, attention: str = "unfused") -> dict[str, Any]:
     """Cost the row's published plan (and, with `planner`, plan it freely). Returns a dict:
     predicted, published, error (predicted / published - 1), plan (the pinned Plan), and
     planner_plan / planner_figure when planned; `not_costed` with the reason instead.
@@ -390,7 +392,10 @@ def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, atte
     gm = build_and_capture(row)
     hw = hardware(row, attention)
     limit = 0.9 * row.memory_gb * 2**30 if row.memory_gb else None
-    pinned = dict(pins=row_pins(row, pp_virtual), global_batch=row.global_batch, allow=ALLOW, top_k=1, precision={"offload": False})
+    pins = row_pins(row, pp_virtual)
+    if row.model[0] == "gpt3" and attention == "flash":  # no score matrix kept: the paper's selective recompute has
+        pins["recompute"] = "none"  # nothing to drop (flash's backward replays the core itself)
+    pinned = dict(pins=pins, global_batch=row.global_batch, allow=ALLOW, top_k=1, precision={"offload": False})
     try:
         plan, _ = plan_for(gm, row.gpus, hw, memory_limit=limit, **pinned)
     except ValueError as e:
@@ -504,11 +509,12 @@ def layer_times(r: dict, layer: str = "layers.1") -> tuple[float, float]:
     from autopar.cost import analyze
     from autopar.cost.comm import axis_links
     from autopar.cost.node_time import NodeTimer, layout_divisors
+    from autopar.cost.timeline import region_recompute, regions_for
     from autopar.cost.tp_conversions import node_tp_seconds
 
     row, plan = r["row"], r["plan"]
     gm = build_and_capture(row)
-    hw = hardware(row, r.get("attention", "flash"))
+    hw = hardware(row, r.get("attention", "unfused"))
     gc = analyze(gm, hw)
     values = gc.values({"b": row.global_batch // (plan.mesh.get("dp", 1) * plan.n_microbatches)})
     timer = NodeTimer(hw, values, compute_dtype=plan.param_dtype)
@@ -521,13 +527,19 @@ def layer_times(r: dict, layer: str = "layers.1") -> tuple[float, float]:
             f, b = f + nf + tp.get(n.index, 0.0) / 2, b + nb + tp.get(n.index, 0.0) / 2
     if f == 0.0:
         raise ValueError(f"{row.key}: no node of block {layer!r} in the captured graph; name a block it has")
+    mode = (plan.recompute or {}).get(layer, "none")
+    if mode != "none":  # its checkpoint region's replay, in its backward (the walk estimate makes)
+        save = (plan.extra.get("recompute_save") or {}).get(layer)
+        (region,) = regions_for(gc, {layer: mode}, {layer: save} if save is not None else None)
+        b += region_recompute(gc, region, values, hardware=hw, compute_divisor=div)[1]
     return f * plan.n_microbatches, b * plan.n_microbatches
 
 
 def layer_line(r: dict) -> str:
     """One line of a row's predicted block time against its source's per-layer figure."""
     f, b = layer_times(r)
-    pf, pb = r["row"].layer_ms
+    recomputed = (r["plan"].recompute or {}).get("layers.1", "none") != "none"
+    pf, pb = r["row"].layer_ms_rc if recomputed and r["row"].layer_ms_rc else r["row"].layer_ms
     return (f"layer {r['row'].key}: one block forward {f * 1e3:.2f} ms (published {pf} ms, {f * 1e3 / pf - 1:+.1%}), "
             f"backward {b * 1e3:.2f} ms (published {pb} ms, {b * 1e3 / pb - 1:+.1%})")
 
@@ -540,9 +552,9 @@ def main(argv=None) -> None:
                     help="after the table, where each pinned plan's predicted step goes (compute, bubble, comm)")
     ap.add_argument("--pp-virtual", type=int, default=None, metavar="V",
                     help="pin the virtual stages per rank of the interleaved rows (default: searched)")
-    ap.add_argument("--attention", choices=sorted(ATTENTION), default="flash",
-                    help="the Megatron rows' attention: the profile's flash kernel (default) or the unfused core "
-                         "2022 Megatron-LM ran (its selective recompute of that core is not priced)")
+    ap.add_argument("--attention", choices=sorted(ATTENTION), default="unfused",
+                    help="the Megatron rows' attention: the unfused core 2022 Megatron-LM ran (default; blocks "
+                         "recomputed selective, as the paper's runs) or the profile's flash kernel (no recompute)")
     a = ap.parse_args(argv)
     print(f"torch {torch.__version__}; error = predicted / published - 1; Megatron rows' attention: {a.attention}")
     results = []

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.search.candidate import plain
+from autopar.search.plan_selective import selective_keep
 
 DIMENSIONS = ("tp", "pp", "dp", "ep", "cp", "zero_stage", "n_microbatches", "schedule")
 MEMORY_ORDER = ("params", "grads", "master", "optimizer", "buffers", "activations", "workspace", "comm_buffers",
@@ -129,7 +130,10 @@ def _prediction_lines(c: dict[str, Any]) -> list[str]:
     if c.get("split_points"):
         out.append(f"  pipeline stages start at {c['split_points']}")
     if c.get("recompute"):
-        out.append(f"  recompute (full): {_brief(sorted(c['recompute'], key=_natural))}")
+        for mode in ("full", "selective"):
+            units = sorted((u for u, m in c["recompute"].items() if m == mode), key=_natural)
+            if units:
+                out.append(f"  recompute ({mode}): {_brief(units)}")
     return out
 
 
@@ -210,7 +214,8 @@ def recompute_rows(model: Any, chosen: Any, recompute: Any, limit: float) -> lis
     without recompute (over the limit, or slower). `recompute`: the pin ("auto" ...)."""
     n_blocks = int(model.blocks.sum())
     k = len(chosen.recompute)
-    row = {"value": f"{k}/{n_blocks} blocks", "status": "chosen", "step_s": chosen.step_s,
+    flavor = next(iter(chosen.recompute.values()), "")
+    row = {"value": f"{k}/{n_blocks} blocks {flavor}".rstrip(), "status": "chosen", "step_s": chosen.step_s,
            "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}
     if k == 0:
         row["reason"] = (f"nothing recomputed: the plan fits with {gib(limit - chosen.peak_bytes)} to spare"
@@ -230,6 +235,19 @@ def recompute_rows(model: Any, chosen: Any, recompute: Any, limit: float) -> lis
                      "reason": (f"needs {gib(without.peak_bytes)} on a rank with this mesh, over the limit of "
                                 f"{gib(limit)}") if not without.feasible else
                      f"fits but the chosen plan is faster overall"})
+    other = "full" if flavor == "selective" else "selective"  # the same blocks recomputed the other way
+    try:
+        alt = model.evaluate(chosen.candidate, limit, pins=chosen.split_points,
+                             recompute={u: other for u in chosen.recompute}) if selective_keep(model) else None
+    except ValueError:
+        alt = None
+    if alt is not None:
+        rows.append({"value": f"{len(alt.recompute)}/{n_blocks} blocks {other}",
+                     "status": "no fit" if not alt.feasible else "slower" if alt.step_s >= chosen.step_s else "faster",
+                     "step_s": alt.step_s,
+                     "peak_bytes": alt.peak_bytes, "label": alt.candidate.label(),
+                     "reason": (f"needs {gib(alt.peak_bytes)}, over the limit of {gib(limit)}" if not alt.feasible
+                                else f"replays {seconds(alt.recompute_s)} a step against {seconds(chosen.recompute_s)}")})
     return rows
 
 

@@ -17,8 +17,9 @@ For a candidate:
   stages   S = pp x v stages; an exact min-max DP over the unit boundaries, then among the
            splits within the optimal bottleneck the one with the least sum of squared stage
            times (`search.plan_split`). A stage's time includes the recomputation it needs to
-           fit its memory: whole blocks (`layers.N`) fully recomputed, as few as fit, the blocks
-           that free most memory per second of recomputation. With one stage per rank the
+           fit its memory: whole blocks (`layers.N`) recomputed, as few as fit, the blocks that
+           free most memory per second of recomputation; where some are, the same again with
+           them "selective" (`search.plan_selective`), the faster kept. With one stage per rank the
            stage's memory is the rank's (exact); with v per rank (interleaved_1f1b: v searched,
            `candidate.virtual_choices`) each stage gets its share of the rank in the DP
            (`search.stage_memory.stage_budgets`: first its share in the time-balanced split,
@@ -98,6 +99,7 @@ from autopar.search.plan_comm import buckets, dp_sync, stage_payloads, zero3_exp
 from autopar.search.plan_comm_report import comm_report
 from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks, stage_recompute_seconds
 from autopar.search.plan_pipeline_time import stage_node_shift, zero3_stage_times
+from autopar.search.plan_selective import selective_keep, with_modes
 from autopar.search.plan_split import INF, SplitChain, chain_factor, in_flight_floor
 from autopar.search.plan_tables import CATEGORIES, PlanTables, UnitCosts, UnitStates
 from autopar.search.shard_tables import ShardInfo
@@ -284,8 +286,10 @@ class PlanCostModel(PlanTables):
         Args:
             limit: bytes per device every rank must stay under.
             pins: unit names that must start a stage (pinned split points).
-            recompute: "auto" (as little as fits, per stage), "none", "full" (every block),
-                or {unit: "full" | "none"} for pinned units (the rest "auto").
+            recompute: "auto" (as little as fits, per stage: blocks recomputed whole, and where
+                they are, the same plan with its blocks "selective" too, `search.plan_selective`,
+                the faster kept), "none", "full" or "selective" (every block), or
+                {unit: "full" | "selective" | "none"} for pinned units (the rest "auto", whole).
             minimise: "time", or "memory" (the split and recompute that need the least memory,
                 for reporting how far an infeasible request is from fitting).
             cutoff: a step time to beat; when the split's bound is over it, the schedule is not
@@ -297,11 +301,26 @@ class PlanCostModel(PlanTables):
                 chose) but not on estimate's walk is evaluated again (once) with the limit lowered by the
                 difference, so that recompute is chosen to free it (recompute allowed).
         """
+        kw = dict(pins=pins, recompute=recompute, minimise=minimise, memory_only=memory_only, walk_retry=walk_retry)
+        flavor = "selective" if recompute == "selective" else "full"  # blocks not pinned one way
+        ev = self._evaluate(c, limit, flavor, cutoff=cutoff, **kw)
+        if flavor == "full" and recompute == "auto" and minimise == "time" and not memory_only and ev.recompute \
+                and (ev.pruned or ev.feasible) and selective_keep(self):
+            # the blocks it recomputes kept selective: less replayed where what they free still fits
+            sel = self._evaluate(c, limit, "selective", cutoff=cutoff if ev.pruned else min(ev.step_s, cutoff or INF), **kw)
+            if sel.step_s < ev.step_s and (ev.pruned or not sel.pruned):
+                return sel
+        return ev
+
+    def _evaluate(self, c: Candidate, limit: float, flavor: str, *, pins: Sequence[str], recompute: Any, minimise: str,
+                  cutoff: float | None, memory_only: bool, walk_retry: bool) -> Evaluation:
+        """`evaluate` with the blocks it recomputes recomputed `flavor` ("full" or "selective")."""
         rows = self.rows_per_micro(c)
         if rows is None or rows < 1:
             raise ValueError(f"{c.label()}: the global batch of {self.global_batch} rows does not divide by "
                              f"dp x ep x micro-batches = {c.dp * c.ep * c.micro}")
-        u = self.units(c.tp, rows, c.cp)
+        pin_modes = self._pin_modes(recompute)
+        u = with_modes(self, self.units(c.tp, rows, c.cp), flavor, pin_modes, c.tp, rows, c.cp)
         st = self.states(c.tp, c.zero, c.replicas, c.ep)
         links = self.links(c)
         L, S, m, v = self.L, c.n_stages, c.micro, c.virtual
@@ -390,12 +409,13 @@ class PlanCostModel(PlanTables):
             saved = freed_bytes(u, chosen_all, i, j)
             rtime = sum(u.rc_time[x] for x in chosen)
             for x in chosen:
-                rc_units[self.unit_names[x]] = "full"
+                rc_units[self.unit_names[x]] = pin_modes.get(x, flavor)
             if one and chosen:  # estimate's walk of the checkpointed regions: its peak and recompute time
-                rc_peak, rtime = self.rank_recompute(c, rows, tuple(rc_units), st.param_grad)
+                rc_peak, rtime = self.rank_recompute(c, rows, tuple(rc_units.items()), st.param_grad)
                 one_act = rc_peak - float(st.total["grads"]) + z3_units
             elif chosen:  # the stage's regions as estimate walks them
-                rtime = stage_recompute_seconds(self, c, rows, [self.unit_names[x] for x in chosen])
+                rtime = stage_recompute_seconds(self, c, rows, [(self.unit_names[x], pin_modes.get(x, flavor))
+                                                                for x in chosen])
             F_s.append(float(F_u[i:j].sum()))
             B_s.append(float(B_u[i:j].sum()) + rtime)
             act_s.append(base_a[s] - saved)
@@ -419,7 +439,7 @@ class PlanCostModel(PlanTables):
         opt_r = [self._opt_time(x["master"] + x["optimizer"], x["params"], x["grads"], c, *o)
                  for x, o in zip(cats_r, off)]
         early = dict(candidate=c, limit_bytes=limit, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0,
-                     comm={}, flops=0.0, mfu=0.0, tokens_per_s=0.0, rows_per_micro=rows,
+                     comm={}, flops=0.0, mfu=0.0, tokens_per_s=0.0, rows_per_micro=rows, recompute=dict(rc_units),
                      split_points=[self.unit_names[i] for i in starts[1:]])
         # memory per rank: states + the most activations held along its actions, first on the
         # schedule with at most 2p micro-batches (it never holds more: the peak is in the
@@ -474,12 +494,12 @@ class PlanCostModel(PlanTables):
                                   pruned=True, **early)
         if c.pp > 1:  # estimate's walk of the split, recompute included
             walked = pipeline_rank_peaks(self, c, sched, rows, starts, ends, st, chain, trans_u, rank_cats,
-                                         frozenset(chosen_all))
+                                         {x: pin_modes.get(x, flavor) for x in chosen_all})
             unit_fits = max(rank_peaks) <= limit * (1 + 1e-9)
             if walk_retry and recompute != "none" and unit_fits and max(walked) > limit * (1 + 1e-9):
                 # the per-unit model fits (with its recompute), the walk is over: recompute what the walk adds
-                ev = self.evaluate(c, limit - (max(walked) - max(rank_peaks)), pins=pins, recompute=recompute,
-                                   minimise=minimise, cutoff=cutoff, memory_only=memory_only, walk_retry=False)
+                ev = self._evaluate(c, limit - (max(walked) - max(rank_peaks)), flavor, pins=pins, recompute=recompute,
+                                    minimise=minimise, cutoff=cutoff, memory_only=memory_only, walk_retry=False)
                 return dataclasses.replace(ev, limit_bytes=limit, memory={**ev.memory, "limit": limit})
             rank_peaks = walked
         full = int(np.argmax(rank_peaks))
@@ -566,8 +586,13 @@ class PlanCostModel(PlanTables):
             bad = [k for k in recompute if k not in idx]
             if bad:
                 raise ValueError(f"recompute pins {bad} are not units of this model; units: {self.unit_names[:6]} ...")
-            return {idx[k]: v == "full" for k, v in recompute.items()}
+            return {idx[k]: v != "none" for k, v in recompute.items()}
         return None
+
+    def _pin_modes(self, recompute: Any) -> dict[int, str]:
+        """Unit index -> mode of the units pinned to be recomputed."""
+        on = self._recompute_pins(recompute) or {}
+        return {x: recompute[self.unit_names[x]] for x, v in on.items() if v}
 
 
 _buckets = buckets  # the name tests/unit/test_planner_moe_scale.py imports

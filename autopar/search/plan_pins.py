@@ -4,8 +4,9 @@ Pins (`PIN_KEYS`): "tp", "pp", "dp", "ep", "cp", "mesh" ({axis: size}, merged in
 "context_method" ("ring" | "ulysses" | "auto": the attention exchange of a cp plan),
 "zero_stage" (0-3), "n_microbatches", "schedule" (a `cost.schedule.SCHEDULES` name, normalised
 to lower case with underscores), "pp_virtual" (stages per pipeline rank: interleaved_1f1b's v,
-searched otherwise; 2 admits zbv too, 1 the one-stage schedules), "split_points", "recompute" ("none", "full", "auto" or
-{module path: "full" | "none"}), "param_layouts" ({name: Layout, {axis: placement text} or a
+searched otherwise; 2 admits zbv too, 1 the one-stage schedules), "split_points", "recompute" ("none",
+"full", "selective" (`search.plan_selective`), "auto" or {module path: "full" | "selective" | "none"}),
+"param_layouts" ({name: Layout, {axis: placement text} or a
 tp placement}: normalised to the tp placement), "bucket_mb", "fusions", "loss_parallel" (True: the
 logits stay vocabulary-sharded on tp and the loss runs on the shards, `Plan.loss_parallel`: the
 head is pinned column-parallel and priced so, `search.shard_loss`).
@@ -87,6 +88,9 @@ def normalise_pins(pins: Mapping[str, Any] | None, w) -> dict[str, Any]:
     if out.get("loss_parallel") is False:
         out.pop("loss_parallel")  # the default: one cache key for both spellings
     rc = out.get("recompute")
-    if rc is not None and not isinstance(rc, Mapping) and rc not in ("none", "full", "auto"):
-        raise ValueError(f"pin recompute={rc!r} must be 'none', 'full', 'auto' or {{module path: 'full'|'none'}}")
+    modes = set(rc.values()) if isinstance(rc, Mapping) else {rc}
+    if rc is not None and not modes <= ({"none", "full", "selective"} if isinstance(rc, Mapping) else
+                                        {"none", "full", "selective", "auto"}):
+        raise ValueError(f"pin recompute={rc!r} must be 'none', 'full', 'selective', 'auto' or {{module path: "
+                         f"'full'|'selective'|'none'}}")
     return out

@@ -22,7 +22,8 @@ planner writes, `stage_graph`):
   ZeRO 3      the two gathered units of the rank's whole graph (`plan_rank.zero3_transient`),
               as estimate counts them.
 
-Recompute inside stages: the blocks the planner recomputes (whole units, "full") are walked as
+Recompute inside stages: the blocks the planner recomputes (whole units, "full" or "selective":
+`search.plan_selective`) are walked as
 estimate walks the Plan's `recompute`: `cost.pipeline_memory.stage_walk` over the stage's
 checkpoint regions (`cost.timeline.regions_for`, cut by `stage_regions`), a stage with regions
 running one fused backward (no I / W split terms); its recomputed forward's seconds
@@ -49,7 +50,7 @@ are equal (the walk reads those only through them: test_planner's gpt-4l exhaust
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -59,6 +60,7 @@ from autopar.cost.pipeline_memory import (StageMemory, rank_peaks, received_grad
                                           stage_of_nodes, stage_regions, stage_walk)
 from autopar.cost.timeline import region_recompute, regions_for
 from autopar.search.candidate import Candidate
+from autopar.search.plan_selective import selective_keys
 
 __all__ = ["grads_of", "stage_graph_of", "stage_memories", "stage_recompute_seconds", "pipeline_rank_peaks",
            "unit_first_nodes"]
@@ -91,29 +93,31 @@ def stage_graph_of(model: Any, lo: int, hi: int):
     return g
 
 
-def _regions(model: Any, units: tuple[str, ...], g) -> list:
-    """The checkpoint regions of recomputed `units` ("full", as the planner writes them) cut to
-    stage graph `g`; each unit's region on the whole graph cached (one per unit)."""
+def _regions(model: Any, units: tuple[tuple[str, str], ...], g) -> list:
+    """The checkpoint regions of recomputed `units` ((name, mode) pairs: "full", or "selective"
+    with the nodes `plan_selective.selective_keys` keeps, as the planner writes them) cut to
+    stage graph `g`; each unit's region on the whole graph cached (one per unit and mode)."""
     regions = []
-    for name in units:
-        hit = model._split_cache.get(("unit_region", name))
+    for name, mode in units:
+        hit = model._split_cache.get(("unit_region", name, mode))
         if hit is None:
-            hit = model._split_cache[("unit_region", name)] = regions_for(model.gc, {name: "full"})
+            save = {name: selective_keys(model, name)} if mode == "selective" else None
+            hit = model._split_cache[("unit_region", name, mode)] = regions_for(model.gc, {name: mode}, save)
         regions += hit
     return stage_regions(regions, g)
 
 
-def stage_recompute_seconds(model: Any, c: Candidate, rows: int, units: Sequence[str]) -> float:
-    """Seconds per micro-batch a stage recomputes when its `units` are checkpointed: the sum of
+def stage_recompute_seconds(model: Any, c: Candidate, rows: int, units: Sequence[tuple[str, str]]) -> float:
+    """Seconds per micro-batch a stage recomputes when its `units` ((name, mode) pairs) are checkpointed: the sum of
     each unit's region (`cost.timeline.region_recompute`, what the stage's walk counts, without
     walking), cached per unit."""
     out = 0.0
     ep = model._ep_of(c)
-    for name in units:
-        key = ("unit_rc_s", c.tp, rows, c.cp, ep, name)
+    for name, mode in units:
+        key = ("unit_rc_s", c.tp, rows, c.cp, ep, name, mode)
         hit = model._split_cache.get(key)
         if hit is None:
-            (region,) = _regions(model, (name,), model.gc)
+            (region,) = _regions(model, ((name, mode),), model.gc)
             _f, secs, _n = region_recompute(model.gc, region, model._values(rows, c.cp), hardware=model.hw,
                                             compute_divisor=_compute_divisor(model, c, rows))
             scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
@@ -131,10 +135,10 @@ def _compute_divisor(model: Any, c: Candidate, rows: int) -> dict:
 
 
 def _stage_walk(model: Any, c: Candidate, rows: int, lo: int, hi: int, param_grad: np.ndarray,
-                units: tuple[str, ...] = ()) -> tuple:
+                units: tuple[tuple[str, str], ...] = ()) -> tuple:
     """(first peak, later peak, forward end, inputs, walk gradients, the split backward's terms, the
     gradients received for its outputs, the forward's peak, the recompute seconds) of the stage
-    holding nodes [lo, hi) of the graph with `units` recomputed, cached."""
+    holding nodes [lo, hi) of the graph with `units` ((name, mode) pairs) recomputed, cached."""
     z = c.zero if c.replicas > 1 else 0
     splits = c.schedule in ("zb_h1", "zbv") and not units  # ZB-H1 / ZBV split the backward (I and W)
     key = ("stage_walk", c.tp, rows, c.cp, lo, hi, z, c.replicas, c.ep, c.micro > 1, splits, units)
@@ -210,7 +214,7 @@ def _boundary(model: Any, i: int, j: int) -> tuple:
     return hit
 
 
-def _same_as(model: Any, c: Candidate, rows: int, i: int, j: int, rc: tuple[bool, ...], param_grad) -> tuple | None:
+def _same_as(model: Any, c: Candidate, rows: int, i: int, j: int, rc: tuple[str, ...], param_grad) -> tuple | None:
     """A key shared by the interior stages (neither the first nor the last, repeated blocks only) of
     the same unit structures, recompute, parameter gradients and boundary tensors (`_boundary`):
     their walks are equal (the same nodes on the same shapes), so one is walked for all."""
@@ -224,16 +228,17 @@ def _same_as(model: Any, c: Candidate, rows: int, i: int, j: int, rc: tuple[bool
 
 
 def stage_memories(model: Any, c: Candidate, rows: int, starts: Sequence[int], ends: Sequence[int], st, chain,
-                   trans_u: np.ndarray, recomputed: frozenset[int] = frozenset()) -> list[StageMemory]:
+                   trans_u: np.ndarray, recomputed: Mapping[int, str] | None = None) -> list[StageMemory]:
     """Every stage's `StageMemory` of candidate `c` split at unit `starts` (see the module
     docstring); `st`: its `UnitStates`, `chain`: its `SplitChain`, `trans_u`: per-unit
-    gradient buffer bytes, `recomputed`: the units recomputed whole."""
+    gradient buffer bytes, `recomputed`: the units recomputed, each with its mode ("full" or "selective")."""
     firsts = unit_first_nodes(model)
     out = []
     for i, j in zip(starts, ends):
         cats = chain.categories(i, j)
-        units = tuple(model.unit_names[x] for x in range(i, j) if x in recomputed)
-        same = _same_as(model, c, rows, i, j, tuple(x in recomputed for x in range(i, j)), st.param_grad)
+        recomputed = recomputed or {}
+        units = tuple((model.unit_names[x], recomputed[x]) for x in range(i, j) if x in recomputed)
+        same = _same_as(model, c, rows, i, j, tuple(recomputed.get(x, "") for x in range(i, j)), st.param_grad)
         walk = model._split_cache.get(same) if same is not None else None
         if walk is None:
             walk = _stage_walk(model, c, rows, firsts[i], firsts[j], st.param_grad, units)
@@ -249,7 +254,7 @@ def stage_memories(model: Any, c: Candidate, rows: int, starts: Sequence[int], e
 
 def pipeline_rank_peaks(model: Any, c: Candidate, sched, rows: int, starts: Sequence[int], ends: Sequence[int], st,
                         chain, trans_u: np.ndarray, rank_cats: list[dict] | None = None,
-                        recomputed: frozenset[int] = frozenset()) -> list[float]:
+                        recomputed: Mapping[int, str] | None = None) -> list[float]:
     """Peak bytes per pipeline rank of `c` split at `starts` under schedule `sched` (already
     fused where stages recompute, `cost.schedule.fuse_backward`) with the units `recomputed`
     (`cost.pipeline_memory.rank_peaks`, the function `cost.estimate` calls); written into

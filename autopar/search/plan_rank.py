@@ -64,6 +64,7 @@ from autopar.cost.timeline import regions_for, timeline
 from autopar.cost.zero_comm import bucket_overlap, grad_buckets, zero3_events, zero3_payloads, zero3_walk
 from autopar.search.candidate import Candidate, router_stat_keys
 from autopar.search.plan_context import MemoLink
+from autopar.search.plan_selective import selective_keys
 
 __all__ = ["GradProfile", "RankSync", "RankTables"]
 
@@ -448,9 +449,10 @@ class RankTables:
             param_grad = self.ep_param_grad(c.tp, ep, param_grad)
         return self.grad_profile(c.tp, rows, c.cp, ep).peak(np.where(keyed, param_grad, 0.0), c.micro > 1)
 
-    def rank_recompute(self, c: Candidate, rows: int, units: tuple[str, ...], param_grad: np.ndarray):
-        """(peak, recompute seconds per micro-batch) of a one-stage candidate whose `units` are
-        recomputed: `cost.timeline` over the checkpointed regions, the walk estimate makes."""
+    def rank_recompute(self, c: Candidate, rows: int, units: tuple[tuple[str, str], ...], param_grad: np.ndarray):
+        """(peak, recompute seconds per micro-batch) of a one-stage candidate whose `units` ((name,
+        mode) pairs, `search.plan_selective`) are recomputed: `cost.timeline` over the checkpointed
+        regions, the walk estimate makes."""
         key = ("rank_rc", c.tp, rows, c.cp, units, c.micro > 1, c.zero, c.replicas, c.ep)
         hit = self._split_cache.get(key)
         if hit is None:
@@ -459,7 +461,8 @@ class RankTables:
             pg = {p.key: float(g) for p, g in zip(self.gc.params, param_grad) if p.key is not None and p.requires_grad}
             regions = self._split_cache.get(("regions", units))
             if regions is None:  # the same blocks recomputed at other sizes: one set of regions
-                regions = self._split_cache[("regions", units)] = regions_for(self.gc, {n: "full" for n in units})
+                save = {n: selective_keys(self, n) for n, mode in units if mode == "selective"}
+                regions = self._split_cache[("regions", units)] = regions_for(self.gc, dict(units), save)
             live = timeline(self.gc, regions, self._values(rows, c.cp),
                             hardware=self.hw, param_grad_bytes=pg, grads_preallocated=c.micro > 1,
                             storage_divisor=self.rank_mem_div(c.tp, rows, self._ep_of(c), c.cp), keep_points=False,

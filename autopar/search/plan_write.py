@@ -25,6 +25,7 @@ from autopar.passes.plan import Plan
 from autopar.search.candidate import Evaluation, plain
 from autopar.search.expert import grouped_expert_layouts
 from autopar.search.explain import PlanReport, gib, seconds
+from autopar.search.plan_selective import selective_keys
 
 __all__ = ["price_fusions", "unfused", "write_plan"]
 
@@ -98,7 +99,10 @@ def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:
         plan.notes += entry["notes"]
         grouped_expert_layouts(plan, axes)  # grouped experts: this rank's rows, as build writes them
     if ev.recompute:
-        plan.recompute = {u: "full" for u in sorted(ev.recompute, key=search.model.unit_names.index)}
+        plan.recompute = {u: ev.recompute[u] for u in sorted(ev.recompute, key=search.model.unit_names.index)}
+        sel = {u: selective_keys(search.model, u) for u, mode in plan.recompute.items() if mode == "selective"}
+        if sel:  # the nodes a selective block keeps, as the planner priced them (`search.plan_selective`)
+            plan.extra["recompute_save"] = sel
     elif isinstance(search.recompute, Mapping):
         plan.recompute = dict(search.recompute)
     fus = search.pins.get("fusions")

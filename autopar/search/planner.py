@@ -44,7 +44,7 @@ candidate (`search.plan_write`). This file runs the search.
 
 Pins (`pins=`): "tp", "pp", "dp", "ep", "cp", "context_method", "mesh" ({axis: size}), "zero_stage",
 "n_microbatches", "schedule", "split_points" (unit names where stages start: all of them, or
-some and the search places the rest), "recompute" ("none", "full" or {unit: "full"|"none"}),
+some and the search places the rest), "recompute" ("none", "full", "selective" or {unit: mode}),
 "param_layouts" ({name: Layout or tp placement}: pins for the sharding ILP), "bucket_mb",
 "fusions". A pin the mesh cannot satisfy is a ValueError naming it. Optional inner steps:
 `search.fusion.plan_fusions(gm, hardware)` when that module exists; expert parallelism when
@@ -389,7 +389,7 @@ class _Search:
             return False
         if c.pp > 1 and c.schedule in SPLIT_BACKWARD and not self.support.get("recompute_with_split_backward"):
             return False
-        return c.pp == 1 or bool(self.support.get("recompute_with_pp")) or self.recompute == "full" \
+        return c.pp == 1 or bool(self.support.get("recompute_with_pp")) or self.recompute in ("full", "selective") \
             or isinstance(self.recompute, Mapping)
 
     def _evaluate(self, c: Candidate, pins: list[str] | None = None, minimise: str = "time",

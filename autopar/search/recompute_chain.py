@@ -46,6 +46,7 @@ from autopar.cost.timeline import Region, SegmentUse, Timeline, communicates, no
 from autopar.passes.recompute import SELECTIVE_SAVE_OPS, in_module, mutated_args, region_nodes, region_problem
 
 __all__ = ["SAVEABLE_OPS", "NO_MODULE", "NO_ACTIVATION", "Item", "Segment", "ChainModel", "Choices", "build_chain",
+           "is_saveable", "written_nodes",
            "model_peak", "model_cost", "regions_of", "off_choices"]
 
 # kernels whose outputs selective checkpointing can keep at the bytes the cost model knows
@@ -149,7 +150,7 @@ def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None
         spans.append((f"{nodes[i].name}..{nodes[end].name}", i, end, None))
         segment_of.extend([len(spans) - 1] * (end - i + 1))
         i = end + 1
-    written = _written_nodes(gm)
+    written = written_nodes(gm)
     full_regions = []
     for layer, first, last, members in spans:
         if members is not None:
@@ -180,7 +181,7 @@ def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None
             full_s += sec
             full_f += fl
             nb = _made_bytes(gc, n, vals)
-            if nb > 0 and sec > 0 and _saveable(n) and n.name not in written:
+            if nb > 0 and sec > 0 and is_saveable(n) and n.name not in written:
                 items.append(Item(n.index, n.key, nb, sec, fl))
         segments.append(Segment(name, first, last, a, True, b, region, items, full_s, full_f))
     return ChainModel(gc, vals, hardware, segments, segment_of, none, full, skipped, time.perf_counter() - t0, loss)
@@ -203,7 +204,7 @@ def _not_candidate(gm: fx.GraphModule, gc: GraphCost, layer: str, members: list[
     return None
 
 
-def _written_nodes(gm: fx.GraphModule) -> set[str]:
+def written_nodes(gm: fx.GraphModule) -> set[str]:
     """Nodes whose value (or its storage) a later in-place op writes: selective checkpointing
     must not cache them (it checks cached tensors are not modified)."""
     written: set[str] = set()
@@ -228,7 +229,7 @@ def _is_state(gc: GraphCost, key) -> bool:
     return st is not None and st.is_state
 
 
-def _saveable(n: NodeCost) -> bool:
+def is_saveable(n: NodeCost) -> bool:
     p = packet_name(n.op)
     if p not in SAVEABLE_OPS:
         return False

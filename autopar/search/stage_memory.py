@@ -126,7 +126,7 @@ def choose_recompute(cands_in: list[tuple[int, float]], u, blocks: np.ndarray, e
     cands = [(x, k) for x, k in cands_in if blocks[x] > 0 and u.rc_save[x] > 0]
     if recompute == "none":
         return []
-    if recompute == "full" or minimise == "memory":
+    if recompute in ("full", "selective") or minimise == "memory":
         return [x for x, _k in cands]
     chosen = []
     if rc_pin is not None:

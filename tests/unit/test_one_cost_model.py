@@ -142,13 +142,15 @@ def test_small_gradient_buckets_equal_cost_estimate(graphs, hw):
     assert many and min(many) >= 2 and max(many) > 3, many
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("hw", ["cpu-gloo", "h100-sxm"])
-def test_recomputed_blocks_equal_cost_estimate(graphs, hw):
-    """Every block recomputed (pinned): the checkpointed regions' walk (`cost.timeline`) gives
-    both the peak and the recompute time."""
+def test_recomputed_blocks_equal_cost_estimate(graphs, hw, mode):
+    """Every block recomputed (pinned), whole or selective (the GEMMs' outputs kept,
+    `search.plan_selective`): the checkpointed regions' walk (`cost.timeline`) gives both the
+    peak and the recompute time."""
     for name in ("gpt-tiny", "vit-tiny"):
-        done = _agree(_graph(graphs, name), hw, pins={"recompute": "full"}, world=SMALL, recompute=True)
-        assert all(e.recompute_s > 0 for _c, _ev, e in done), name
+        done = _agree(_graph(graphs, name), hw, pins={"recompute": mode}, world=SMALL, recompute=True)
+        assert all(e.recompute_s > 0 and set(ev.recompute.values()) == {mode} for _c, ev, e in done), name
 
 
 def test_zero3_gathers_every_micro_batch_and_reduce_scatters_once():

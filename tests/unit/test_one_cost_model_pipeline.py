@@ -155,20 +155,24 @@ def test_every_pipeline_candidate_equals_cost_estimate(graphs, name, hw):
     assert any(c.tp > 1 for c, _ev, _e in done) and any(c.zero == 3 and c.dp > 1 for c, _ev, _e in done)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize("hw", ["cpu-gloo", "h100-sxm"])
 @pytest.mark.parametrize("name", ["gpt-tiny", "vit-tiny", "gpt-tiny-tied"])
-def test_every_pipeline_candidate_that_recomputes_equals_cost_estimate(graphs, name, hw):
-    """Recompute pinned "full": every candidate checkpoints its blocks, estimate of the written
-    Plan walks the same regions per stage (docstring); its recompute is in the step (longer than
-    without) and the walk keeps less than without recompute on some rank, more on none."""
+def test_every_pipeline_candidate_that_recomputes_equals_cost_estimate(graphs, name, hw, mode):
+    """Recompute pinned "full" or "selective" (the blocks keep their GEMMs' outputs,
+    `search.plan_selective`, written as `Plan.extra["recompute_save"]`): every candidate
+    checkpoints its blocks, estimate of the written Plan walks the same regions per stage
+    (docstring); its recompute is in the step (longer than without) and the walk keeps less than
+    without recompute on some rank, more on none."""
     gm = _graph(graphs, name)
     plans: dict = {}
-    done = _pipelines(gm, hw, pins={"recompute": "full"}, plans=plans)
+    done = _pipelines(gm, hw, pins={"recompute": mode}, plans=plans)
     _check(done, hw, STEP_RTOL[name])
     assert {("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)} <= {(c.schedule, c.virtual)
                                                                                  for c, _ev, _e in done}
     for c, ev, e in done:
-        assert ev.recompute and all(v == "full" for v in plans[c].recompute.values()), c.label()
+        assert ev.recompute and all(v == mode for v in plans[c].recompute.values()), c.label()
+        assert (mode == "selective") == bool(plans[c].extra.get("recompute_save")), c.label()
         assert e.recompute_s > 0 and not any("costed without it" in n for n in e.notes), (c.label(), e.notes)
     # against the same plans without recompute, where several micro-batches are in flight (the
     # activations, not the states, make the peak): less memory on a rank, more on none, a longer step
