@@ -1,6 +1,6 @@
 """autopar's cost model against published training figures of large public runs, row by row.
 
-    python benchmarks/bench_published.py [--only ROW] [--no-planner] [--breakdown] [--attention unfused]
+    python benchmarks/bench_published.py [--only ROW] [--no-planner] [--breakdown] [--attention unfused|flash]
 
 For each row the published model is built on the meta device, captured (`autopar.capture`),
 and its PUBLISHED parallel configuration is costed by the joint planner with every published
@@ -32,21 +32,21 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   `autopar.models.gpt` (RMSNorm/SwiGLU/RoPE), which is not the paper's model.
   Pins: dp = 1 (GPUs = tp x pp), ZeRO 0 (dp = 1), micro-batches = global batch / Table 3's
   micro-batch (22B: one micro-batch of 4), schedule 1f1b (Megatron's non-interleaved default;
-  Table 3 names no interleaving), recompute "none": selective recompute in the paper exists to
-  drop the s^2 attention scores, which the profile's flash-attention kernel never stores (and
-  whose backward recomputes them), so no block is recomputed in full. This is the program
-  costed, not the one the paper ran: Megatron-LM then computed attention unfused (baddbmm, fused
-  scale-mask-softmax, dropout, bmm: `CoreAttention` in megatron/model/transformer.py at
-  NVIDIA/Megatron-LM cfd2e21607, 2022-04-28, the selective-recompute commit, which recomputes
-  that core in backward); FlashAttention entered Megatron-LM at d693034ecf (2022-12-08).
-  `--attention unfused` costs that core (kernels sdpa "math", no fp32 upcast; the score
-  matrix is then kept, so 22B is OVER); the planner pins recompute per block only ("full" /
-  "none"), so the replay of the core that selective recompute adds (Table 4: 13.1 - 11.8 =
-  1.3 ms per 22B layer) is priced in neither mode. 2026-11-26 (helper-55), 22B: flash 0.822 s,
-  one layer 5.84 / 9.97 ms against Table 4's 7.2 / 11.8; unfused 0.936 s, one layer 7.03 /
-  11.14 ms. Unfused is not the default: with the scores kept, the pipeline rows' stages are
-  split unevenly to fit (175B 9-16 units per stage, +6.7 %; 530B 2-5, +17.0 %; 1T OVER, -5.7 %),
-  a memory effect the recomputing run did not have. The tied embedding across pipeline
+  Table 3 names no interleaving), recompute "selective" on every block: the program the paper
+  ran. Megatron-LM then computed attention unfused (baddbmm, fused scale-mask-softmax, dropout,
+  bmm: `CoreAttention` in megatron/model/transformer.py at NVIDIA/Megatron-LM cfd2e21607,
+  2022-04-28, the selective-recompute commit, which recomputes that core in backward);
+  FlashAttention entered Megatron-LM at d693034ecf (2022-12-08). The default `--attention
+  unfused` costs that core (kernels sdpa "math", no fp32 upcast: the score matrix is kept) and
+  the planner's "selective" blocks (`search.plan_selective`) replay it in backward; they also
+  replay the norms and pointwise ops and keep the GEMMs' outputs, the row-parallel ones' partial
+  sums included, where Megatron checkpoints the core alone (its layer holds 34 sbh/t bytes, ours
+  more). `--attention flash` costs the profile's flash kernel with recompute "none" (no score
+  matrix to drop). 2026-11-27, 22B: unfused + selective 1.053 s, one layer 7.03 / 13.2 ms
+  against Table 4's 7.2 / 13.1; flash 0.822 s (5.84 / 9.97 ms against 7.2 / 11.8); unfused
+  without recompute 0.936 s but 75.9 GiB, OVER (2026-11-26: with the scores kept the pipeline
+  rows split unevenly to fit, 175B +6.7 %, 530B +17.0 %, 1T OVER), a memory effect the
+  recomputing run did not have. The tied embedding across pipeline
   stages with bf16 parameters is allowed (`ALLOW["zero_with_tied_pp"]`): Megatron runs it,
   autopar's runtime does not yet, and the planner otherwise offers no such candidate.
   Loss: vocabulary-parallel (`Row.loss_parallel`, the planner's "loss_parallel" pin): Megatron-LM

@@ -72,17 +72,16 @@ Simplifications (stated so that a reader can weigh predictions): times are per r
 same on every tp/dp rank; stage-boundary transfers send the whole activation (a sequence-
 parallel boundary would send 1/t of it); the working set is the whole graph's, on every
 stage; each stage's data-parallel buckets run on one stream per rank (the engines share the
-link); with pp > 1 every gradient is taken as allocated while
-activations peak (one micro-batch: conservative by up to the gradients), the split DP takes ZeRO 3
-per unit (the chosen split walks it per stage), and recomputed blocks keep their input only
-(collective outputs inside a block, which the recompute pass keeps, are not counted; the
-choice of blocks uses this at pp = 1 too).
+link); with pp > 1 the split DP holds the gradients backward makes (not the masters') beside
+every micro-batch's activations (one micro-batch: conservative by up to them), takes ZeRO 3 per
+unit (the chosen split walks it per stage), and recomputed blocks keep their input (and a
+selective block its GEMMs' outputs) only (collective outputs inside a block, which the
+recompute pass keeps, are not counted; the choice of blocks uses this at pp = 1 too).
 
 node.meta: read only by the tables (`search.plan_tables`: the placeholders' `val`, the rest
 through `cost.analyze`, `passes.ir` and the sharding rules); nothing here reads or writes it.
-Deterministic: equal inputs give equal numbers. Public: `PlanCostModel`; `Candidate`,
-`Evaluation` (from `search.candidate`) and `ShardInfo` (from `search.shard_tables`) import from
-here too.
+Deterministic. Public: `PlanCostModel`; `Candidate`, `Evaluation` (`search.candidate`) and
+`ShardInfo` (`search.shard_tables`) import from here too.
 """
 from __future__ import annotations
 
@@ -383,19 +382,21 @@ class PlanCostModel(PlanTables):
             base_a = [float(u.act[starts[s]:ends[s]].sum()) + (float(u.cross[starts[s] - 1]) if starts[s] > 0 else 0.0)
                       for s in range(S)]
             base_st = [chain.states_range(starts[s], ends[s]) for s in range(S)]
+            act_st = [chain.act_states_range(starts[s], ends[s]) for s in range(S)]  # beside the activations
             if v > 1:  # recompute per rank against its schedule walk
                 chosen_all, fits = fit_recompute(small, starts, ends, base_st, base_a, k_s, u, self.blocks, chain,
-                                                 trans_u, fixed, limit, rc_pin, recompute, minimise)
+                                                 trans_u, fixed, limit, rc_pin, recompute, minimise, act_st)
                 if fits or mode == "sum":
                     break
                 continue
             chosen_all = set()  # one stage per rank: as little recompute as fits the stage
             for s in range(S):
-                excess = base_st[s] + k_s[s] * base_a[s] + fixed - stage_limit[s]
+                excess = act_st[s] + k_s[s] * base_a[s] + fixed - stage_limit[s]
                 if one:
                     excess = base_st[s] + one_act - stage_limit[s]
                 elif s == S - 1:  # the loss's backward (see the peak below); recompute frees both alike
-                    excess = max(excess, excess + self._loss_extra(c, rows, chain.categories(starts[s], ends[s]), ws))
+                    excess = max(excess, excess + base_st[s] - act_st[s] + self._loss_extra(
+                        c, rows, chain.categories(starts[s], ends[s]), ws))
                 blocks = [(x, float(k_s[s])) for x in range(starts[s], ends[s])]
                 chosen_all |= set(choose_recompute(blocks, u, self.blocks, excess, rc_pin, recompute, minimise))
         rc_units: dict[str, str] = {}
@@ -433,6 +434,7 @@ class PlanCostModel(PlanTables):
         # per rank: its states by category and its optimizer step (no schedule needed)
         cats_r = [{k: sum(cats_s[s][k] for s in stages_of[r]) for k in CATEGORIES} for r in range(P)]
         st_r = [sum(states_s[s] for s in stages_of[r]) for r in range(P)]
+        act_r = [sum(chain.act_states_range(starts[s], ends[s]) for s in stages_of[r]) for r in range(P)]
         off = [(sum(float(st.offload_elems[starts[s]:ends[s]].sum()) for s in stages_of[r]),
                 sum(float(st.offload_mo[starts[s]:ends[s]].sum()) for s in stages_of[r]))
                if st.offload_elems is not None else (0.0, 0.0) for r in range(P)]
@@ -447,7 +449,7 @@ class PlanCostModel(PlanTables):
         # schedule; then the split's time bound; only then the step's schedule
         if c.pp > 1 and cutoff is not None and minimise == "time":
             held_small = held_peaks(fuse_backward(small, fused), act_s)
-            worst = max(st_r[r] + held_small[r] + fixed for r in range(P))
+            worst = max(act_r[r] + held_small[r] + fixed for r in range(P))
             if worst > limit * (1 + 1e-9):
                 return Evaluation(step_s=INF, peak_bytes=worst, memory={"peak": worst, "limit": limit},
                                   notes=["over the memory limit (peak: a lower bound)"], **early)
@@ -470,7 +472,7 @@ class PlanCostModel(PlanTables):
             trans = sum(float(trans_u[starts[s]:ends[s]].sum()) for s in mine)
             adam = sum(chain.adam_range(starts[s], ends[s]) for s in mine)
             at_loss = st_r[r] + best + fixed + self._loss_extra(c, rows, cats_r[r], ws) if S - 1 in mine else 0.0
-            peak = max(st_r[r] + best + fixed,  # forward/backward: activations held, the working set
+            peak = max(act_r[r] + best + fixed,  # forward/backward: activations held, the working set
                        at_loss,
                        st_r[r] + trans,  # end of backward: the flat gradient buffers (ZeRO 0-2)
                        st_r[r] + adam)  # the optimizer step's temporaries

@@ -56,6 +56,10 @@ class SplitChain:
         self.PB = np.concatenate([z, np.cumsum(blocks * (rc_save > 0))])
         self.PTR = np.concatenate([z, np.cumsum(trans)])
         self.cat_prefix, self.PS, self.PAD = st.prefix_sums()
+        # the states beside activations: during forward and backward a rank holds its parameters'
+        # gradients as backward makes them (`param_grad`), not the masters' (made at its end)
+        wg = st.walk_grad if st.walk_grad is not None else st.cat["grads"]
+        self.PWS = self.PS + np.concatenate([z, np.cumsum(wg - st.cat["grads"])])
         self.shared = st.shared
         self.cross_in = np.concatenate([[0.0], cross, [0.0]])  # index i: bytes into unit i (i = 0 .. L)
         self.hop = np.concatenate([[0.0], hop, [0.0]])  # index i: p2p at the boundary before unit i
@@ -67,6 +71,15 @@ class SplitChain:
         for row, cnt in self.shared:
             if cnt[j] > cnt[i]:
                 s += sum(row[c] for c in CATEGORIES)
+        return float(s)
+
+    def act_states_range(self, i: int, j: int) -> float:
+        """`states_range` with the gradients the forward / backward walk holds in place of the
+        "grads" category (the masters' gradients are made at the end of backward)."""
+        s = self.PWS[j] - self.PWS[i]
+        for row, cnt in self.shared:
+            if cnt[j] > cnt[i]:
+                s += sum(row[c] for c in CATEGORIES) - row["grads"] + row.get("_wgrad", row["grads"])
         return float(s)
 
     def categories(self, i: int, j: int) -> dict[str, float]:
@@ -87,14 +100,16 @@ class SplitChain:
     def _arrays(self, I: np.ndarray, J: np.ndarray) -> dict[str, np.ndarray]:
         """Per-stage quantities of the stages [I, J) (index arrays of one shape, broadcast)."""
         states = self.PS[J] - self.PS[I]
+        walk = self.PWS[J] - self.PWS[I]
         adam = self.PAD[J] - self.PAD[I]
         for row, cnt in self.shared:
             has = (cnt[J] - cnt[I]) > 0
             states = states + has * sum(row[c] for c in CATEGORIES)
+            walk = walk + has * (sum(row[c] for c in CATEGORIES) - row["grads"] + row.get("_wgrad", row["grads"]))
             adam = adam + has * row["_adam"]
         return dict(T=self.PT[J] - self.PT[I], A=self.PA[J] - self.PA[I] + self.cross_in[I],
                     RS=self.PRS[J] - self.PRS[I], RT=self.PRT[J] - self.PRT[I], NB=self.PB[J] - self.PB[I],
-                    TR=self.PTR[J] - self.PTR[I], states=states, adam=adam)
+                    TR=self.PTR[J] - self.PTR[I], states=states, walk_states=walk, adam=adam)
 
     def _costs(self, mx, valid, S, k_s, s2r, limit, minimise: str, I, J, opt_limit: float) -> list[np.ndarray]:
         """Each stage's cost over the (end, start) pairs: time with the recompute it needs to
@@ -104,7 +119,7 @@ class SplitChain:
         opt_peak = np.maximum(mx["states"] + mx["adam"], mx["states"] + mx["TR"])
         for s in range(S):
             k = float(k_s[s]) if s < len(k_s) else 1.0
-            mem0 = mx["states"] + k * mx["A"] + self.fixed
+            mem0 = mx["walk_states"] + k * mx["A"] + self.fixed
             if minimise == "memory":
                 out.append(np.where(valid, np.maximum(mem0 - k * mx["RS"], opt_peak), INF))
                 continue

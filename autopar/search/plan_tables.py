@@ -117,6 +117,7 @@ class UnitStates:
     offload_mo: np.ndarray | None = None  # per unit, with offload: master + optimizer bytes on the host
     host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
     param_grad: np.ndarray | None = None  # per parameter (gc.params order): its gradient in backward, masters' aside
+    walk_grad: np.ndarray | None = None  # per unit, its own parameters' `param_grad` (the walk's gradients)
 
     def prefix_sums(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """Prefix sums over the units (leading 0) per category, of all, and of the optimizer
@@ -518,7 +519,7 @@ class PlanTables(ContextTables, RankTables):
         host_total = 0.0
         shared: list[tuple[dict[str, float], np.ndarray]] = []
         total = {c: 0.0 for c in CATEGORIES}
-        param_grad = np.zeros(len(self.gc.params))
+        param_grad, walk_grad = np.zeros(len(self.gc.params)), np.zeros(L)
         for i, (p, kind) in enumerate(zip(self.gc.params, kinds)):
             row, gp, ga, tmp, elems, mo, host, pg = per_kind[kind]
             if ep > 1 and p.name in self.slot_expert_params:  # whole experts: E / ep of them here
@@ -538,16 +539,18 @@ class PlanTables(ContextTables, RankTables):
                 grad_payload[u] += gp
                 gather[u] += ga
                 adam[u] += tmp
+                walk_grad[u] += pg
             else:
                 cnt = np.zeros(L + 1)
                 mark = np.zeros(L)
                 mark[us] = 1.0
                 cnt[1:] = np.cumsum(mark)
-                shared.append(({**row, "_grad": gp, "_gather": ga, "_adam": tmp}, cnt))
+                shared.append(({**row, "_grad": gp, "_gather": ga, "_adam": tmp, "_wgrad": pg}, cnt))
                 # the gradient is synchronised by the last reader's stage; count it there
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
-        out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total, param_grad)
+        out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total, param_grad,
+                         walk_grad)
         self._states[key] = out
         return out
 

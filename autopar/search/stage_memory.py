@@ -76,17 +76,20 @@ def stage_budgets(chain, k_s: Sequence[float], s2r: Sequence[int], limit: float,
 
 def fit_recompute(small: Schedule, starts: Sequence[int], ends: Sequence[int], base_st: Sequence[float],
                   base_a: Sequence[float], k_s: Sequence[float], u, blocks: np.ndarray, chain, trans_u: np.ndarray,
-                  fixed: float, limit: float, rc_pin, recompute: Any, minimise: str) -> tuple[set[int], bool]:
+                  fixed: float, limit: float, rc_pin, recompute: Any, minimise: str,
+                  act_st: Sequence[float] | None = None) -> tuple[set[int], bool]:
     """(units to recompute, whether every rank then fits) for a split with several stages per
     rank: per rank, blocks chosen against its excess over the limit by the schedule's walk,
     each block counted as freeing its bytes times its stage's in-flight micro-batches (at least
     what it frees at the walk's peak), then the walk again, until every rank fits or no block is
-    left to recompute."""
+    left to recompute. `act_st`: per stage the states held beside its activations (the
+    gradients the walk holds in place of the "grads" category; default `base_st`)."""
     S = len(starts)
     s2r = small.stage_to_rank
     P = max(s2r) + 1
     groups = [[s for s in range(S) if s2r[s] == r] for r in range(P)]
     st_r = [sum(base_st[s] for s in g) for g in groups]
+    act_r = [sum((base_st if act_st is None else act_st)[s] for s in g) for g in groups]
     other = [max(st_r[r] + sum(float(trans_u[starts[s]:ends[s]].sum()) for s in g),
                  st_r[r] + sum(chain.adam_range(starts[s], ends[s]) for s in g)) for r, g in enumerate(groups)]
     chosen: set[int] = set()
@@ -95,14 +98,14 @@ def fit_recompute(small: Schedule, starts: Sequence[int], ends: Sequence[int], b
         held = held_peaks(small, act)
         grew = False
         for r, g in enumerate(groups):
-            excess = st_r[r] + held[r] + fixed - limit
+            excess = act_r[r] + held[r] + fixed - limit
             cand = [(x, float(k_s[s])) for s in g for x in range(starts[s], ends[s]) if x not in chosen]
             new = set(choose_recompute(cand, u, blocks, excess, rc_pin, recompute, minimise)) - chosen
             if new:
                 chosen |= new
                 grew = True
         if not grew:
-            fits = all(max(st_r[r] + held[r] + fixed, other[r]) <= limit * (1 + 1e-9) for r in range(P))
+            fits = all(max(act_r[r] + held[r] + fixed, other[r]) <= limit * (1 + 1e-9) for r in range(P))
             return chosen, fits
 
 
