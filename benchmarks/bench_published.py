@@ -42,7 +42,7 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   replay the norms and pointwise ops and keep the GEMMs' outputs, the row-parallel ones' partial
   sums included, where Megatron checkpoints the core alone (its layer holds 34 sbh/t bytes, ours
   more). `--attention flash` costs the profile's flash kernel with recompute "none" (no score
-  matrix to drop). 2026-11-27, 22B: unfused + selective 1.053 s, one layer 7.03 / 13.2 ms
+  matrix to drop). 2026-11-27, 22B: unfused + selective 1.053 s, one layer 7.03 / 13.57 ms
   against Table 4's 7.2 / 13.1; flash 0.822 s (5.84 / 9.97 ms against 7.2 / 11.8); unfused
   without recompute 0.936 s but 75.9 GiB, OVER (2026-11-26: with the scores kept the pipeline
   rows split unevenly to fit, 175B +6.7 %, 530B +17.0 %, 1T OVER), a memory effect the
