@@ -55,7 +55,7 @@ engine_options`): `param_dtype` (None: the graph's own) prices parameters and th
 sets the optimizer states' dtype, `reduce_dtype` sizes gradient communication and its
 buffers, and `offload` moves masters, their gradients and optimizer states out of device
 memory (`memory["offloaded"]`; not in `peak`; the step then runs on the CPU after the rank's
-gradient rows go down and before its parameter rows come back, `memory.offload_step_seconds`
+gradient rows go down and before its parameter rows come back, `optimizer_step.offload_step_seconds`
 at the profile's host bandwidths). Matmuls and attention are timed at the peak of
 `param_dtype` (the compute dtype); activation bytes stay the captured graph's.
 
@@ -127,7 +127,8 @@ from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
 from .comm import joined_data_axis
 from .memory import (HELD_OUTPUTS, OptimizerSpec, StateBytes, device_resident, liveness, model_states,
-                     offload_step_seconds, padded_numel, rows_of, tp_local_shape, with_param_dtype)
+                     padded_numel, rows_of, tp_local_shape, with_param_dtype)
+from .optimizer_step import offload_step_seconds, step_bytes
 from .expert_comm import ep_events
 from .loss_memory import loss_collectives, loss_model
 from .expert_memory import ep_compute_divisor, ep_memory
@@ -396,10 +397,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     comm_total += graph_comm_total * plan.n_microbatches
     comm_exposed = fwd_exposed + bwd_exposed + step_exposed + graph_comm_total * plan.n_microbatches
 
-    # --- optimizer step (memory bound: read and write every state, read params and grads) ---
-    # the update touches this rank's rows of the parameters from stage 1 on (states.params is
-    # already the rows at stage 3)
-    opt_bytes = 2 * (states.master + states.optimizer) + states.params / (dp if zero in (1, 2) else 1) + states.grads
+    # --- optimizer step (memory bound: `optimizer_step.step_bytes`) ---
+    opt_bytes = step_bytes(states.master, states.optimizer, states.params, states.grads, states.master_grads,
+                           dp if zero in (1, 2) else 1)
     optimizer_s = opt_bytes / (hw.device.memory_bandwidth * hw.eff("memory")) if trainable else 0.0
     offload_copy_s = 0.0
     if plan.offload and trainable:  # the step runs on the CPU: gradients down, parameters back up
@@ -470,8 +470,8 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
                            walk_grads=w.walk_grads, first=w.first, later=w.later,
                            held=w.held, inputs=w.inputs, transient=trans,
                            step_temp=0.0 if plan.offload else tmp,
-                           opt_bytes=2 * (st.master + st.optimizer) + st.params / (dp if zero in (1, 2) else 1)
-                           + st.grads if trainable_s else 0.0,
+                           opt_bytes=step_bytes(st.master, st.optimizer, st.params, st.grads, st.master_grads,
+                                                dp if zero in (1, 2) else 1) if trainable_s else 0.0,
                            split=split_backward(g, values, param_grad_bytes=pg, storage_divisor=mem_div, loss=loss)
                            if g.nodes[0].index > 0 and not regs else None,  # stage 0: W is its whole backward
                            out_grads=received_grad_bytes(g, values, mem_div) if loss is HELD_OUTPUTS else 0.0,

@@ -67,7 +67,6 @@ import torch
 from autopar.runtime.placement import Layout, local_shape
 
 from .graph import GraphCost, ParamInfo
-from .hardware import DEFAULT_HOST_BANDWIDTH, DEFAULT_HOST_MEMORY_BANDWIDTH
 from .ops import packet_name
 from .symbolic import evaluate
 
@@ -303,24 +302,6 @@ def device_resident(row: Mapping[str, float], offload: bool, zero_stage: int) ->
     host = dev["master"] + dev["optimizer"] + get("master_grads") + host_params
     dev.update(params=dev["params"] - host_params, grads=dev["grads"] - get("master_grads"), master=0.0, optimizer=0.0)
     return dev, host
-
-
-def offload_step_seconds(opt_elems: float, master_opt_bytes: float, grad_item: int, master_item: int,
-                         host_bandwidth: float = DEFAULT_HOST_BANDWIDTH,
-                         host_memory_bandwidth: float = DEFAULT_HOST_MEMORY_BANDWIDTH, *,
-                         zero_stage: int = 0) -> tuple[float, float]:
-    """(host<->device copy seconds, CPU optimizer step seconds) of one offloaded step on one rank
-    (ZeRO-Offload), as runtime/offload.py runs it: the rank's reduced gradient rows go to the
-    host in the reduce dtype (`grad_item` bytes each, pinned, one DMA copy), the CPU steps the
-    masters and states (read and written once, the gradients read: memory bound), and the
-    masters come back in their own dtype (`master_item`, cast on the device): once per step
-    at ZeRO 0-2, and twice at ZeRO-3, where the host shards are the parameters (the forward's
-    gather and the backward's re-gather). The copies run on the compute stream: they overlap
-    neither compute nor the step."""
-    ups = 2 if zero_stage == 3 else 1
-    copies = opt_elems * (grad_item + ups * master_item) / host_bandwidth
-    step = (2 * master_opt_bytes + opt_elems * 4) / host_memory_bandwidth
-    return copies, step
 
 
 def tp_local_shape(p: ParamInfo, param_layouts: Mapping[str, Layout] | None, mesh: Mapping[str, int] | None,

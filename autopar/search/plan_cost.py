@@ -44,7 +44,7 @@ For a candidate:
            and again before its backward, its gradients reduce-scattered after it; expert
            all-to-alls (dispatch and combine, forward and backward, blocking); the optimizer
            step (memory bound, as cost.estimate; with offload on the CPU after the host copies,
-           `cost.memory.offload_step_seconds`). Compute at the plan's compute dtype (its
+           `cost.optimizer_step`). Compute at the plan's compute dtype (its
            param_dtype) peak. The step is the slowest rank's. Overlap is not free
            (`cost.overlap`, the profile's `contention` k per link): compute beside a gradient
            bucket or a ZeRO-3 gather / reduce-scatter in flight runs (1 + k) times slower, so
@@ -90,6 +90,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from autopar.cost.optimizer_step import step_bytes
 from autopar.cost.overlap import contention_of
 from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times, zero3_tail
 from autopar.cost.schedule import fuse_backward, held_peaks, small_schedule
@@ -136,8 +137,8 @@ class PlanCostModel(PlanTables):
         f, b = self.rank_ep_floor(c, rows, f0, b0)
         st = self.states(1, c.zero, c.replicas, c.ep)
         t = c.tp
-        opt_tot = self._opt_time((st.total["master"] + st.total["optimizer"]) / t, st.total["params"] / t,
-                                 st.total["grads"] / t, c, *self._offload_totals(st, t))
+        opt_tot = self._opt_time({k: v / t for k, v in st.total.items()}, st.master_grads / t, c,
+                                 *self._offload_totals(st, t))
         u1 = self.units(1, rows, c.cp)
         act = self._act_floor(u1, t, recompute) + self._inputs_floor(c, u1, recompute)
         states = sum(st.total.values()) / t * (1 - 1e-3)
@@ -177,8 +178,7 @@ class PlanCostModel(PlanTables):
         u = self.units(c.tp, rows, c.cp)
         st = self.states(c.tp, c.zero, c.replicas, c.ep)
         f, b = self._ep_adjusted(c, u.fwd, u.bwd)
-        opt_tot = self._opt_time(st.total["master"] + st.total["optimizer"], st.total["params"], st.total["grads"], c,
-                                 *self._offload_totals(st))
+        opt_tot = self._opt_time(st.total, st.master_grads, c, *self._offload_totals(st))
         act = self._act_floor(u, 1, recompute) + self._inputs_floor(c, u, recompute)
         states = sum(st.total.values())
         if self._one_stage(c):  # the walk evaluate prices; with recompute, what the checkpointed walk keeps at least
@@ -247,17 +247,18 @@ class PlanCostModel(PlanTables):
             lb = max(lb, chain_factor(m, p, gamma) * float(per.sum()))
         return lb + self.context_exposed(c)  # the attention exchange is on top of every rank's step
 
-    def _opt_time(self, master_opt: float, params: float, grads: float, c: Candidate, elems: float = 0.0,
+    def _opt_time(self, x: Mapping[str, float], master_grads: float, c: Candidate, elems: float = 0.0,
                   host_mo: float = 0.0) -> float:
-        """The optimizer step: on the device, memory bound (as cost.estimate); with offload on the
-        CPU, after the rank's gradient rows (`elems` of them) go down and before its parameter
-        rows come back (`cost.memory.offload_step_seconds`, the one formula cost.estimate uses)."""
+        """The optimizer step of a rank holding states `x` (by category), as cost.estimate prices it
+        (`cost.optimizer_step`): on the device, memory bound; offloaded, the CPU's step after the
+        rank's gradient rows (`elems`) go down and before its parameter rows come back."""
         if not any(p.requires_grad for p in self.gc.params):
             return 0.0
         if self.offload:
             return sum(self._offload_parts(elems, host_mo, c.zero))
         z = c.zero if c.replicas > 1 else 0
-        nbytes = 2 * master_opt + params / (c.replicas if z in (1, 2) else 1) + grads
+        nbytes = step_bytes(x["master"], x["optimizer"], x["params"], x["grads"], master_grads,
+                            c.replicas if z in (1, 2) else 1)
         return nbytes / (self.hw.device.memory_bandwidth * self.hw.eff("memory"))
 
     def _ep_adjusted(self, c: Candidate, fwd, bwd):
@@ -438,8 +439,7 @@ class PlanCostModel(PlanTables):
         off = [(sum(float(st.offload_elems[starts[s]:ends[s]].sum()) for s in stages_of[r]),
                 sum(float(st.offload_mo[starts[s]:ends[s]].sum()) for s in stages_of[r]))
                if st.offload_elems is not None else (0.0, 0.0) for r in range(P)]
-        opt_r = [self._opt_time(x["master"] + x["optimizer"], x["params"], x["grads"], c, *o)
-                 for x, o in zip(cats_r, off)]
+        opt_r = [self._opt_time(x, st_r[r] - act_r[r], c, *o) for r, (x, o) in enumerate(zip(cats_r, off))]
         early = dict(candidate=c, limit_bytes=limit, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0,
                      comm={}, flops=0.0, mfu=0.0, tokens_per_s=0.0, rows_per_micro=rows, recompute=dict(rc_units),
                      split_points=[self.unit_names[i] for i in starts[1:]])

@@ -62,10 +62,11 @@ from autopar.cost import analyze, evaluate, liveness, load_profile
 from autopar.cost.comm import axis_links
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
-from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident, offload_step_seconds,
+from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident,
                                  padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
+from autopar.cost.optimizer_step import offload_step_seconds
 from autopar.cost.placements import Placement, conversion_bytes, conversion_time
 from autopar.cost.zero_comm import bucket_caps
 from autopar.passes.plan import torch_dtype
@@ -118,6 +119,11 @@ class UnitStates:
     host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
     param_grad: np.ndarray | None = None  # per parameter (gc.params order): its gradient in backward, masters' aside
     walk_grad: np.ndarray | None = None  # per unit, its own parameters' `param_grad` (the walk's gradients)
+
+    @property
+    def master_grads(self) -> float:
+        """Bytes of the separate masters' gradients (the part of total["grads"] backward does not make)."""
+        return float(self.total["grads"] - self.param_grad.sum()) if self.param_grad is not None else 0.0
 
     def prefix_sums(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """Prefix sums over the units (leading 0) per category, of all, and of the optimizer

@@ -202,7 +202,7 @@ def run_compute(item: dict[str, Any], device: str) -> dict[str, Any]:
         return _run_selective(out, device)
     elif kind == "host_step":
         # the offloaded update (runtime/offload.py): fused AdamW over fp32 masters on the CPU;
-        # bytes as cost.memory.offload_step_seconds counts them (master + 2 states read and
+        # bytes as cost.optimizer_step.offload_step_seconds counts them (master + 2 states read and
         # written, the gradient read)
         n = item["numel"]
         p = torch.nn.Parameter(torch.randn(n, dtype=dt))
