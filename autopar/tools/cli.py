@@ -11,9 +11,8 @@
 MODEL is a reference model name (gpt-tiny, llama3-70b, llama-70b ...), a transformers config
 (a local config.json or a directory holding one), or package.module:factory.
 
-Exit codes: 0 success; 1 a parity check or a launched training run failed; 2 bad usage or
-input (the message says what to change); 3 a launched world failed (the message holds its log);
-130 interrupted (tune resumes from where it stopped).
+Exit codes: 0 success; 1 a parity check or a launched run failed; 2 bad usage or input (the
+message says what to change); 3 a launched world failed (its log in the message); 130 interrupted.
 """
 from __future__ import annotations
 
@@ -153,10 +152,11 @@ def _add_pins(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", help="pin the pipeline schedule (1f1b, gpipe, interleaved_1f1b, zb_h1, zbv)")
     p.add_argument("--moe-aux-stats", choices=("global", "micro_batch"), default="global",
                    help="MoE load-balancing statistics: over the whole batch (one micro-batch) or per micro-batch")
+    p.add_argument("--recompute", choices=("auto", "none", "full", "selective"), help="pin the blocks' recompute "
+                   "(auto: as little as fits, each block whole or selective, whichever is faster)")
     p.add_argument("--memory-limit", type=float, metavar="GIB", help="per-device memory limit in GiB")
-    p.add_argument("--planner", choices=("auto", "joint", "fallback"), default="auto",
-                   help="joint: autopar.search.planner; fallback: plan the mesh as parallelize does; auto: joint "
-                        "when it imports")
+    p.add_argument("--planner", choices=("auto", "joint", "fallback"), default="auto", help="joint: "
+                   "autopar.search.planner; fallback: plan the mesh as parallelize does; auto: joint when it imports")
 
 
 def _positive(name: str, v: int | None) -> None:
@@ -184,7 +184,7 @@ def _plan_result(a, prog: Progress):
     return plan_model(source, mesh=mesh, world_size=world, hardware=a.hardware, batch=a.batch, seq=a.seq,
                       zero_stage=a.zero_stage, n_microbatches=a.microbatches, schedule=a.schedule,
                       memory_limit=a.memory_limit * 2**30 if a.memory_limit else None, top=max(a.top, 1),
-                      planner=a.planner, step=prog.step, moe_aux_stats=a.moe_aux_stats)
+                      planner=a.planner, step=prog.step, moe_aux_stats=a.moe_aux_stats, recompute=a.recompute)
 
 
 # ------------------------------------------------------------------------ plan

@@ -402,7 +402,7 @@ def _joint(global_gm, mesh_or_world, hw, *, batch, pins, memory_limit, top,
         p = Plan(mesh=mesh, dp_axis="dp", zero_stage=int(c["zero_stage"]) if c["dp"] * int(c.get("cp", 1)) > 1 else 0,
                  n_microbatches=int(c["n_microbatches"]), schedule=c["schedule"] if c["pp"] > 1 else None,
                  split_points=list(ev.get("split_points") or []),
-                 recompute={u: "full" for u in (ev.get("recompute") or {})})
+                 recompute=dict(ev.get("recompute") or {}))  # unit -> "full" | "selective"
         p.extra["partial"] = ("an alternative as the joint planner summarised it: materialise() re-plans it "
                               "with these choices pinned to fill in its sharding")
         p.extra["joint_pins"] = {k: v for k, v in {
@@ -437,7 +437,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
                zero_stage: int | None = None, n_microbatches: int | None = None, schedule: str | None = None,
                memory_limit: float | None = None, top: int = 1, planner: str = "auto",
                step: Callable[[str], None] | None = None, global_gm: fx.GraphModule | None = None,
-               moe_aux_stats: str = "global") -> PlanResult:
+               moe_aux_stats: str = "global", recompute: str | None = None) -> PlanResult:
     """Capture `source` on meta and plan it for `mesh` (or any mesh of `world_size` ranks).
 
     Args:
@@ -447,6 +447,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
         global_gm: a graph already captured at (batch, seq), to skip capturing again.
         moe_aux_stats: an MoE model's auxiliary statistics, "global" (one micro-batch) or
             "micro_batch" (`autopar.parallelize`'s keyword of the same name).
+        recompute: pin the blocks' recompute ("auto", "none", "full", "selective"; the planner's pin).
     """
     step = step or (lambda _msg: None)
     hw = load_profile(hardware)
@@ -473,7 +474,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
     if mesh:
         check_mesh_fits(global_gm, mesh)  # an axis that cannot split this model: its dimension, sizes that can
     pins = {k: v for k, v in {"zero_stage": zero_stage, "n_microbatches": n_microbatches,
-                              "schedule": schedule}.items() if v is not None}
+                              "schedule": schedule, "recompute": recompute}.items() if v is not None}
     t0 = time.perf_counter()
     report, cands, notes = None, [], []
     kind, why = "fallback", ""
@@ -498,6 +499,9 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
                 raise
             kind, why = "fallback", f"the joint planner failed ({type(e).__name__}: {str(e)[:200]})"
     if kind != "joint":
+        if recompute not in (None, "auto"):
+            raise ValueError(f"--recompute {recompute} is a pin of the joint planner; the fallback plans recompute "
+                             f"only through parallelize's memory_budget" + (f" ({why})" if why else ""))
         from autopar.passes.split_pipeline import pipeline_units
 
         meshes = [dict(mesh)] if mesh else meshes_for(world, hw, len(pipeline_units(global_gm)))

@@ -64,6 +64,24 @@ def test_plan_json_has_the_plan_its_predictions_and_ranked_alternatives(capsys):
     assert all(a["step_s"] > 0 for a in alts)
 
 
+def test_plan_recompute_pin_writes_selective_blocks_with_their_kept_nodes(capsys, tmp_path):
+    """`--recompute selective`: every block recomputed "selective", the GEMMs and fused attention it
+    keeps written into the plan (`recompute_save`); the fallback planner refuses the pin."""
+    out_plan = tmp_path / "plan.json"
+    rc = main(["plan", "gpt-tiny", "--mesh", "dp=2", "--hardware", "cpu-gloo", "--recompute", "selective",
+               "--out", str(out_plan), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    plan = Plan.from_json(out_plan.read_text())
+    assert plan.recompute and set(plan.recompute.values()) == {"selective"}
+    assert set(plan.extra["recompute_save"]) == set(plan.recompute)
+    kept = {k.split(":")[1].split("#")[0] for keys in plan.extra["recompute_save"].values() for k in keys}
+    assert kept == {"linear", "scaled_dot_product_attention"}  # GEMMs and the fused attention kernel
+    assert plan.predicted["recompute_s"] > 0
+    assert main(["plan", "gpt-tiny", "--mesh", "dp=2", "--hardware", "cpu-gloo", "--recompute", "full",
+                 "--planner", "fallback", "--no-progress"]) == 2
+    assert "pin of the joint planner" in capsys.readouterr().err
+
+
 def test_plan_table_on_a_fixed_mesh_with_the_fallback_planner_shows_tp_and_predictions(capsys, tmp_path):
     out_plan = tmp_path / "plan.json"
     rc = main(["plan", "gpt-tiny", "--mesh", "dp=1,tp=2", "--hardware", "cpu-gloo", "--planner", "fallback",
