@@ -157,10 +157,12 @@ def build_program(global_gm: fx.GraphModule, local_gm: fx.GraphModule, plan: Pla
 def _recompute_stage(gm: fx.GraphModule, plan: Plan, mesh: Mesh, rank: int, stage: int | None, dump_dir,
                      records: list[PassRecord]) -> fx.GraphModule:
     """`gm` with the recompute pass run for the blocks of `plan.recompute` it holds, with their
-    part of the save list (a block a pipeline cut splits has the rest on another stage)."""
+    part of the save list (a block a pipeline cut splits has the rest on another stage; a node
+    this rank's passes replaced drops out: cp's attention exchange, a collective the region keeps
+    anyway, in place of the global graph's attention)."""
     if not any(m != "none" for m in plan.recompute.values()):
         return gm
-    ctx = PassContext(plan=plan, mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
+    here = dict(plan.recompute)
     if stage is not None:
         mods = {getattr(n.meta.get("autopar"), "module", "") or "" for n in gm.graph.nodes
                 if n.op == "call_function"}
@@ -168,11 +170,10 @@ def _recompute_stage(gm: fx.GraphModule, plan: Plan, mesh: Mesh, rank: int, stag
                 if v != "none" and any(x == m or x.startswith(m + ".") for x in mods)}
         if not here:
             return gm
-        keys = set(node_keys(gm).values())
-        save = {m: [k for k in v if k in keys] for m, v in (plan.extra.get("recompute_save") or {}).items()
-                if m in here}
-        ctx = PassContext(plan=plan.pin(recompute=here, extra={**plan.extra, "recompute_save": save}),
-                          mesh_sizes=ctx.mesh_sizes, coords=ctx.coords)
+    keys = set(node_keys(gm).values())
+    save = {m: [k for k in v if k in keys] for m, v in (plan.extra.get("recompute_save") or {}).items() if m in here}
+    ctx = PassContext(plan=plan.pin(recompute=here, extra={**plan.extra, "recompute_save": save}),
+                      mesh_sizes=dict(mesh.sizes), coords=mesh.coords(rank))
     rpm = PassManager([recompute], dump_dir=dump_dir)
     out = rpm.run(gm, ctx, tag=f"rank{rank}_recompute" if stage is None else f"rank{rank}_stage{stage}_recompute")
     records += rpm.records

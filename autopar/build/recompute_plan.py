@@ -23,6 +23,9 @@ The result is plan data: `Plan.recompute` (module path -> "none" | "full" | "sel
 for selective layers, `Plan.extra["recompute_save"]` (module path -> node keys to keep), which
 `passes.recompute` carries out.
 
+A recompute pinned as one mode on a fixed mesh (`parallelize(..., pins={"recompute":
+"selective"})`): `every_block` gives every block that mode, as the joint planner reads the pin.
+
 The loss around the outputs: `plan_loss(global_gm, plan, hardware)` is the one `model.step`
 runs for a plan (`cost.loss_memory.loss_model` of the global graph: `CROSS_ENTROPY` on gathered
 logits, `VOCAB_PARALLEL` on the shards under `Plan.loss_parallel`), to pass as `loss=`.
@@ -46,8 +49,34 @@ from autopar.cost.loss_memory import loss_model
 from autopar.cost.memory import CROSS_ENTROPY, LossModel
 from autopar.passes.plan import Plan
 from autopar.cost.timeline import Timeline, regions_for, timeline
+from autopar.passes.split_pipeline import pipeline_units
+from autopar.search.plan_selective import BLOCK_UNIT, kept_nodes
 from autopar.search.recompute import (NO_ACTIVATION, NO_MODULE, ChainModel, Choices, build_chain, ladder,
                                       ladder_choices, model_cost, off_choices, regions_of, solve, solve_dp)
+
+
+RECOMPUTE_PINS = ("none", "auto", "full", "selective")
+
+
+def every_block(global_gm: fx.GraphModule, mode: str, hardware: Any = "cpu-gloo") -> tuple[dict, dict]:
+    """A recompute pin given as one mode on a fixed mesh, as the joint planner reads it: every
+    block (a pipeline unit named after a numbered module, layers.3) recomputed "full" or
+    "selective" (keeping the nodes `search.plan_selective.kept_nodes` keeps, the planner's);
+    "none" and "auto" recompute nothing here (auto is the planner's choice, or memory_budget=).
+    Returns (Plan.recompute, Plan.extra["recompute_save"])."""
+    if mode not in RECOMPUTE_PINS:
+        raise ValueError(f"recompute={mode!r}: pin one of {RECOMPUTE_PINS}, or {{module path: mode}}")
+    if mode not in ("full", "selective"):
+        return {}, {}
+    blocks = [u.name for u in pipeline_units(global_gm) if BLOCK_UNIT.search(u.name)]
+    if not blocks:
+        raise ValueError(f"recompute={mode!r}: the model has no repeated blocks (numbered modules such as "
+                         f"layers.3) to recompute; pin {{module path: mode}} instead")
+    save = {}
+    if mode == "selective":
+        kept = kept_nodes(global_gm, analyze(global_gm, hardware), blocks)
+        save = {b: [n.key for n in kept.get(b, ())] for b in blocks}
+    return {b: mode for b in blocks}, save
 
 
 def plan_loss(global_gm: fx.GraphModule, plan: Plan, hardware: Any = "cpu-gloo") -> LossModel:

@@ -26,10 +26,12 @@ Reads node.meta only through `cost.analyze`. Deterministic; cached per model and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Sequence
 
 import numpy as np
 import sympy
+import torch.fx as fx
 
 from autopar.cost.ops import packet_name
 from autopar.cost.symbolic import evaluate
@@ -37,39 +39,45 @@ from autopar.cost.timeline import communicates, stop_runs
 from autopar.passes.recompute import SELECTIVE_SAVE_OPS, in_module
 from autopar.search.recompute_chain import is_saveable, written_nodes
 
-__all__ = ["FLAVORS", "selective_keep", "selective_keys", "selective_units", "with_modes"]
+__all__ = ["BLOCK_UNIT", "FLAVORS", "kept_nodes", "selective_keep", "selective_keys", "selective_units", "with_modes"]
 
 FLAVORS = ("full", "selective")  # how the planner recomputes a block
+BLOCK_UNIT = re.compile(r"(^|\.)\d+$")  # a pipeline unit named after a numbered module (layers.3): a block
+
+
+def kept_nodes(gm: fx.GraphModule, gc: Any, modules: Sequence[str]) -> dict[str, tuple]:
+    """Per module path of `modules`, the `NodeCost`s of `gc` (`gm` analysed) "selective" keeps:
+    expensive, cacheable nodes of the module that recomputation would otherwise run (not past the
+    region's last saving node, not that node when it saves only its inputs, no collective,
+    nothing written in place later). Modules with none are left out."""
+    written = written_nodes(gm)
+    out = {}
+    for name in modules:
+        members = [n for n in gc.nodes if in_module(n.module, name)]
+        saving = [n.index for n in members if n.saved]
+        if not saving:
+            continue
+        stop = max(saving)
+        readers: dict = {}  # storage -> the members reading it
+        for n in members:
+            for k in n.uses:
+                readers.setdefault(k, []).append(n)
+        kept = tuple(n for n in members
+                     if n.index <= stop and not communicates(n) and packet_name(n.op) in SELECTIVE_SAVE_OPS
+                     and not (n.index == stop and not stop_runs(n)) and n.kind not in ("view", "none")
+                     and is_saveable(n) and n.name not in written and _read_in_recompute(n, readers))
+        if kept:
+            out[name] = kept
+    return out
 
 
 def selective_keep(model: Any) -> dict[int, tuple]:
-    """Per block unit (index), the `NodeCost`s "selective" keeps: expensive, cacheable nodes of
-    the unit's module that recomputation would otherwise run (not past the region's last saving
-    node, not that node when it saves only its inputs, no collective, nothing written in place
-    later). Units with none are left out."""
+    """Per block unit (index) of a `PlanTables`, the `NodeCost`s "selective" keeps (`kept_nodes`)."""
     hit = model._split_cache.get("sel_keep")
     if hit is None:
-        gc, written = model.gc, written_nodes(model.gm)
-        hit = {}
-        for u, name in enumerate(model.unit_names):
-            if model.blocks[u] <= 0:
-                continue
-            members = [n for n in gc.nodes if in_module(n.module, name)]
-            saving = [n.index for n in members if n.saved]
-            if not saving:
-                continue
-            stop = max(saving)
-            readers: dict = {}  # storage -> the members reading it
-            for n in members:
-                for k in n.uses:
-                    readers.setdefault(k, []).append(n)
-            kept = tuple(n for n in members
-                         if n.index <= stop and not communicates(n) and packet_name(n.op) in SELECTIVE_SAVE_OPS
-                         and not (n.index == stop and not stop_runs(n)) and n.kind not in ("view", "none")
-                         and is_saveable(n) and n.name not in written and _read_in_recompute(n, readers))
-            if kept:
-                hit[u] = kept
-        model._split_cache["sel_keep"] = hit
+        blocks = [name for u, name in enumerate(model.unit_names) if model.blocks[u] > 0]
+        by_name = kept_nodes(model.gm, model.gc, blocks)
+        hit = model._split_cache["sel_keep"] = {model.unit_names.index(b): k for b, k in by_name.items()}
     return hit
 
 

@@ -76,12 +76,12 @@ from autopar.search.candidate import Candidate
 from autopar.search.expert_detect import detect_moe
 from autopar.search.plan_context import ContextTables
 from autopar.search.plan_rank import RankTables
+from autopar.search.plan_selective import BLOCK_UNIT
 from autopar.search.shard_tables import ShardInfo, shard_info
 from autopar.search.stage_costs import boundary_divisors, cross_bytes
 
 __all__ = ["CATEGORIES", "PlanTables", "ShardInfo", "UnitCosts", "UnitStates", "resolve_precision"]
 
-_BLOCK = re.compile(r"(^|\.)\d+$")  # a unit named after a numbered module: layers.3
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 CATEGORIES = ("params", "grads", "master", "optimizer", "buffers")
 
@@ -243,7 +243,7 @@ class PlanTables(ContextTables, RankTables):
             cur = u if nc.name in unit_of else cur
             self.node_unit.append(u)
         self.fx_unit = {n: (unit_for(n.name) if n.op != "output" else L - 1) for n in gm.graph.nodes}
-        self.blocks = np.array([1.0 if _BLOCK.search(name) else 0.0 for name in self.unit_names])
+        self.blocks = np.array([1.0 if BLOCK_UNIT.search(name) else 0.0 for name in self.unit_names])
         # parameters each unit reads, directly or through input-free computation
         key_name = {p.key: p.name for p in gc.params if p.key is not None}
         reads: list[set[str]] = [set() for _ in units]

@@ -5,8 +5,9 @@ string "seed:index"): the same seed gives the same plans on any machine. A plan 
 (gpt-tiny, gpt-tiny-tied, moe-tiny with its load-balancing loss on, and two transformers
 decoders: Llama and Qwen3), its dtype, a mesh of 4 ranks over dp / tp / pp / ep / cp (ep only
 for the MoE) in a random axis order, and the `autopar.parallelize` keywords: zero_stage,
-offload, memory_budget, n_microbatches, a pipeline schedule when pp > 1, pinned fusions (or
-the fusion search), the h100-sxm hardware profile (so tp shards the tiny models) and the
+offload, memory_budget (else, a quarter of the time, the planner's recompute pinned "full" or
+"selective", drawn from a stream of its own so earlier draws stay), n_microbatches, a pipeline
+schedule when pp > 1, pinned fusions (or the fusion search), the h100-sxm hardware profile (so tp shards the tiny models) and the
 context-parallel method. The draws lean towards plans the support matrix says run (batch
 sizes that divide, few recompute-with-ep or pp-with-cp cells), so that most plans train.
 
@@ -131,6 +132,9 @@ def make_plan(seed: int, index: int) -> dict:
         pins["schedule"] = r.choice(SCHEDULES)
     if r.random() < 0.35:  # every schedule (zb_h1 / zbv: a stage holding regions runs its backward whole)
         kw["memory_budget"] = r.choice([0.0, 0.3, 0.6])
+    r2 = random.Random(f"{seed}:{index}:recompute")  # its own stream: the draws above stay as they were
+    if "memory_budget" not in kw and r2.random() < 0.25:  # the planner's blocks, whole or selective
+        pins["recompute"] = r2.choice(["full", "selective"])
     f = r.random()
     if f < 0.35:
         pins["fusions"] = sorted(r.sample(FUSIONS, r.randint(1, len(FUSIONS))))
@@ -154,6 +158,8 @@ def describe(plan: dict) -> str:
     parts = [f"{k}={v}" for k, v in kw.items()]
     if "schedule" in pins:
         parts.append(pins["schedule"])
+    if "recompute" in pins:
+        parts.append(f"recompute={pins['recompute']}")
     if "fusions" in pins:
         parts.append(f"fusions={','.join(pins['fusions']) or 'none'}")
     dt = "" if plan["dtype"] == "float64" else " fp32"
