@@ -91,24 +91,6 @@ def test_recompute_pins_take_selective_and_a_mix_of_the_two_ways():
         _plan(recompute="partial")
 
 
-def _train_gpt_tiny(pins):
-    from autopar.models import get
-
-    spec = get("gpt-tiny")
-    torch.manual_seed(0)
-    model = spec.build()
-    g = torch.Generator().manual_seed(1)
-    batches = [spec.example_batch(8, seq_len=16, generator=g) for _ in range(3)]
-    pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=batches[0][0], pins=pins)
-    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
-    losses = []
-    for b in batches:
-        losses.append(float(pm.step(b, spec.loss_fn)))
-        opt.step()
-        opt.zero_grad()
-    return pm, losses
-
-
 def test_a_fixed_mesh_reads_one_recompute_mode_as_every_block_and_trains_the_same():
     """`parallelize(mesh(dp=1), pins={"recompute": "selective"})` (no planner: a fixed mesh) gives
     every block the mode, with the nodes the planner's selective keeps
@@ -116,13 +98,15 @@ def test_a_fixed_mesh_reads_one_recompute_mode_as_every_block_and_trains_the_sam
     regions run: three AdamW steps give the losses of the plain run."""
     from autopar.passes.recompute import CheckpointRegion
 
-    _, want = _train_gpt_tiny({})
+    from test_one_rank_zero import _train  # gpt-tiny on mesh(dp=1), three AdamW steps
+
+    _, want = _train()
     for mode in ("full", "selective"):
-        pm, losses = _train_gpt_tiny({"recompute": mode})
+        pm, losses = _train(pins={"recompute": mode})
         assert pm.plan.recompute == {"layers.0": mode, "layers.1": mode}
         assert ("recompute_save" in pm.plan.extra) == (mode == "selective")
         regions = [m for m in pm.program.modules() if isinstance(m, CheckpointRegion)]
         assert len(regions) == 2 and all(r.selective == (mode == "selective") for r in regions)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0.0)
-    pm, _ = _train_gpt_tiny({"recompute": "none"})
+    pm, _ = _train(pins={"recompute": "none"})
     assert not pm.plan.recompute
