@@ -58,8 +58,7 @@ class SplitChain:
         self.cat_prefix, self.PS, self.PAD = st.prefix_sums()
         # the states beside activations: during forward and backward a rank holds its parameters'
         # gradients as backward makes them (`param_grad`), not the masters' (made at its end)
-        wg = st.walk_grad if st.walk_grad is not None else st.cat["grads"]
-        self.PWS = self.PS + np.concatenate([z, np.cumsum(wg - st.cat["grads"])])
+        self.PWS = self.PS + np.concatenate([z, np.cumsum(st.walk_grad - st.cat["grads"])])
         self.shared = st.shared
         self.cross_in = np.concatenate([[0.0], cross, [0.0]])  # index i: bytes into unit i (i = 0 .. L)
         self.hop = np.concatenate([[0.0], hop, [0.0]])  # index i: p2p at the boundary before unit i
@@ -79,7 +78,7 @@ class SplitChain:
         s = self.PWS[j] - self.PWS[i]
         for row, cnt in self.shared:
             if cnt[j] > cnt[i]:
-                s += sum(row[c] for c in CATEGORIES) - row["grads"] + row.get("_wgrad", row["grads"])
+                s += row["_walk"]
         return float(s)
 
     def categories(self, i: int, j: int) -> dict[str, float]:
@@ -105,7 +104,7 @@ class SplitChain:
         for row, cnt in self.shared:
             has = (cnt[J] - cnt[I]) > 0
             states = states + has * sum(row[c] for c in CATEGORIES)
-            walk = walk + has * (sum(row[c] for c in CATEGORIES) - row["grads"] + row.get("_wgrad", row["grads"]))
+            walk = walk + has * row["_walk"]
             adam = adam + has * row["_adam"]
         return dict(T=self.PT[J] - self.PT[I], A=self.PA[J] - self.PA[I] + self.cross_in[I],
                     RS=self.PRS[J] - self.PRS[I], RT=self.PRT[J] - self.PRT[I], NB=self.PB[J] - self.PB[I],

@@ -551,7 +551,8 @@ class PlanTables(ContextTables, RankTables):
                 mark = np.zeros(L)
                 mark[us] = 1.0
                 cnt[1:] = np.cumsum(mark)
-                shared.append(({**row, "_grad": gp, "_gather": ga, "_adam": tmp, "_wgrad": pg}, cnt))
+                walk = sum(row[c] for c in CATEGORIES) - row["grads"] + pg  # beside activations (`plan_split`)
+                shared.append(({**row, "_grad": gp, "_gather": ga, "_adam": tmp, "_walk": walk}, cnt))
                 # the gradient is synchronised by the last reader's stage; count it there
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
