@@ -29,7 +29,7 @@ from autopar.build.materialize import has_meta_tensors, materialize, open_weight
 from autopar.build.model_tensors import make_shape_only, model_tensors, shape_only_copy
 from autopar.build.plan_complete import complete_plan
 from autopar.build.program import build_rank_program, rank_copy
-from autopar.build.recompute_plan import every_block
+from autopar.build.recompute_plan import pinned_recompute
 from autopar.build.rank0 import on_rank0
 from autopar.build.plan_check import (check_mesh_fits, check_micro_batches, check_moe_aux_stats,
                                       check_plan_against_graph, stamp)
@@ -292,9 +292,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any = None, *, example_inputs: An
     if global_gm is None or global_gm.meta.get("autopar_capture", {}).get("compute_dtype") != _dtype_name(cast_to):
         global_gm = _capture(args, kwargs)
     check_captured_graph(global_gm, example_inputs)
-    if isinstance(plan.recompute, str):  # one mode for every block, as the joint planner reads the pin
-        modes, save = every_block(global_gm, plan.recompute, hardware or _hardware(mesh))
-        plan.recompute = modes
+    if plan.recompute and not plan_given:  # a recompute pin, read as the joint planner reads it
+        plan.recompute, save = pinned_recompute(global_gm, plan.recompute, plan.extra.get("recompute_save"),
+                                                hardware or _hardware(mesh))
         if save:
             plan.extra["recompute_save"] = save
     plan.notes += _moe_aux_stats_on_rank0(plan, global_gm, moe_aux_stats)  # refuses micro-batches under "global"

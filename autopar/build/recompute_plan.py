@@ -23,8 +23,9 @@ The result is plan data: `Plan.recompute` (module path -> "none" | "full" | "sel
 for selective layers, `Plan.extra["recompute_save"]` (module path -> node keys to keep), which
 `passes.recompute` carries out.
 
-A recompute pinned as one mode on a fixed mesh (`parallelize(..., pins={"recompute":
-"selective"})`): `every_block` gives every block that mode, as the joint planner reads the pin.
+A recompute pinned on a fixed mesh (`parallelize(..., pins={"recompute": "selective"})`, or
+{module path: mode}): `pinned_recompute` reads it as the joint planner does (one mode: every
+block; "selective": the nodes the planner keeps).
 
 The loss around the outputs: `plan_loss(global_gm, plan, hardware)` is the one `model.step`
 runs for a plan (`cost.loss_memory.loss_model` of the global graph: `CROSS_ENTROPY` on gathered
@@ -58,25 +59,28 @@ from autopar.search.recompute import (NO_ACTIVATION, NO_MODULE, ChainModel, Choi
 RECOMPUTE_PINS = ("none", "auto", "full", "selective")
 
 
-def every_block(global_gm: fx.GraphModule, mode: str, hardware: Any = "cpu-gloo") -> tuple[dict, dict]:
-    """A recompute pin given as one mode on a fixed mesh, as the joint planner reads it: every
-    block (a pipeline unit named after a numbered module, layers.3) recomputed "full" or
-    "selective" (keeping the nodes `search.plan_selective.kept_nodes` keeps, the planner's);
+def pinned_recompute(global_gm: fx.GraphModule, recompute: str | Mapping[str, str],
+                     save: Mapping[str, list] | None = None, hardware: Any = "cpu-gloo") -> tuple[dict, dict]:
+    """A recompute pin on a fixed mesh, as the joint planner reads it. One mode: every block (a
+    pipeline unit named after a numbered module, layers.3) recomputed "full" or "selective";
     "none" and "auto" recompute nothing here (auto is the planner's choice, or memory_budget=).
-    Returns (Plan.recompute, Plan.extra["recompute_save"])."""
-    if mode not in RECOMPUTE_PINS:
-        raise ValueError(f"recompute={mode!r}: pin one of {RECOMPUTE_PINS}, or {{module path: mode}}")
-    if mode not in ("full", "selective"):
-        return {}, {}
-    blocks = [u.name for u in pipeline_units(global_gm) if BLOCK_UNIT.search(u.name)]
-    if not blocks:
-        raise ValueError(f"recompute={mode!r}: the model has no repeated blocks (numbered modules such as "
-                         f"layers.3) to recompute; pin {{module path: mode}} instead")
-    save = {}
-    if mode == "selective":
-        kept = kept_nodes(global_gm, analyze(global_gm, hardware), blocks)
-        save = {b: [n.key for n in kept.get(b, ())] for b in blocks}
-    return {b: mode for b in blocks}, save
+    {module path: mode}: as given. A "selective" module without its list in `save` keeps the
+    nodes `search.plan_selective.kept_nodes` keeps (the planner's, not the recompute pass's
+    default). Returns (Plan.recompute, Plan.extra["recompute_save"])."""
+    if isinstance(recompute, str):
+        if recompute not in RECOMPUTE_PINS:
+            raise ValueError(f"recompute={recompute!r}: pin one of {RECOMPUTE_PINS}, or {{module path: mode}}")
+        blocks = [u.name for u in pipeline_units(global_gm) if BLOCK_UNIT.search(u.name)]
+        if recompute in ("full", "selective") and not blocks:
+            raise ValueError(f"recompute={recompute!r}: the model has no repeated blocks (numbered modules such as "
+                             f"layers.3) to recompute; pin {{module path: mode}} instead")
+        recompute = {b: recompute for b in blocks} if recompute in ("full", "selective") else {}
+    save = dict(save or {})
+    todo = [m for m, mode in recompute.items() if mode == "selective" and m not in save]
+    if todo:
+        kept = kept_nodes(global_gm, analyze(global_gm, hardware), todo)
+        save.update({m: [n.key for n in kept.get(m, ())] for m in todo})
+    return dict(recompute), save
 
 
 def plan_loss(global_gm: fx.GraphModule, plan: Plan, hardware: Any = "cpu-gloo") -> LossModel:

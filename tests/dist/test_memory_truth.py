@@ -66,7 +66,7 @@ STRATEGIES = [
      {"n_microbatches": 2, "moe_aux_stats": "micro_batch", "pins": {"schedule": "1f1b"}}),
     ("recompute budget 0.0", "gpt-tiny", {"dp": 4}, {"memory_budget": 0.0}),
     ("recompute budget 0.3", "gpt-tiny", {"dp": 4}, {"memory_budget": 0.3}),
-    # every block selective with the nodes the joint planner keeps (build.recompute_plan.every_block)
+    # every block selective with the nodes the joint planner keeps (build.recompute_plan.pinned_recompute)
     ("recompute selective pin", "gpt-tiny", {"dp": 4}, {"pins": {"recompute": "selective"}}),
     ("bf16-mixed", "gpt-tiny-bf16", {"dp": 4}, {}),  # a bf16 model trains bf16-mixed by default
 ]

@@ -94,8 +94,9 @@ def test_recompute_pins_take_selective_and_a_mix_of_the_two_ways():
 def test_a_fixed_mesh_reads_one_recompute_mode_as_every_block_and_trains_the_same():
     """`parallelize(mesh(dp=1), pins={"recompute": "selective"})` (no planner: a fixed mesh) gives
     every block the mode, with the nodes the planner's selective keeps
-    (`build.recompute_plan.every_block`); "full" likewise without a list, "none" nothing. The
-    regions run: three AdamW steps give the losses of the plain run."""
+    (`build.recompute_plan.pinned_recompute`); "full" likewise without a list, "none" nothing;
+    {module: "selective"} gets the planner's nodes too. The regions run: three AdamW steps give
+    the losses of the plain run."""
     from autopar.passes.recompute import CheckpointRegion
 
     from test_one_rank_zero import _train  # gpt-tiny on mesh(dp=1), three AdamW steps
@@ -110,3 +111,20 @@ def test_a_fixed_mesh_reads_one_recompute_mode_as_every_block_and_trains_the_sam
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0.0)
     pm, _ = _train(pins={"recompute": "none"})
     assert not pm.plan.recompute
+    # {module: mode}: as given; a selective module keeps the planner's nodes too (not the pass's default)
+    pm, losses = _train(pins={"recompute": {"layers.1": "selective"}})
+    assert pm.plan.recompute == {"layers.1": "selective"}
+    assert pm.plan.extra["recompute_save"]["layers.1"] == selective_keys_of("layers.1")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=0.0)
+
+
+def selective_keys_of(block: str) -> list[str]:
+    """The node keys the joint planner keeps in `block` of gpt-tiny (`search.plan_selective`)."""
+    from autopar.models import get
+    from autopar.search.plan_cost import PlanCostModel
+    from autopar.search.plan_selective import selective_keys
+
+    spec = get("gpt-tiny")
+    torch.manual_seed(0)
+    x, _ = spec.example_batch(8, seq_len=16)
+    return selective_keys(PlanCostModel(autopar.capture(spec.build(), x), "cpu-gloo", 1), block)
