@@ -19,6 +19,12 @@ import torch.utils._pytree as pytree  # noqa: E402,F401
 
 __all__ += ["pytree"]
 
+# Dispatch modes: init_replay records the ops that fill a meta model's tensors. torch exposes
+# TorchDispatchMode only from this private module (2.11-2.13).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+
+__all__ += ["TorchDispatchMode"]
+
 
 # The default process group's timeout: mesh groups inherit it (new_group would otherwise wait
 # torch's 30-minute default). torch has no public getter for a group's timeout.

@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from autopar.runtime._torch_compat import TorchDispatchMode, pytree
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, shape)
 
@@ -144,7 +144,8 @@ class _Shadow(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flat_meta: list[torch.Tensor] = []
-        tree_map(lambda x: flat_meta.append(x) if isinstance(x, torch.Tensor) and x.is_meta else None, (args, kwargs))
+        pytree.tree_map(lambda x: flat_meta.append(x) if isinstance(x, torch.Tensor) and x.is_meta else None,
+                        (args, kwargs))
         factory_on_meta = not flat_meta and str(kwargs.get(_FACTORY_DEVICE_KW, "")) == "meta"
         if not flat_meta and not factory_on_meta:
             return out
@@ -161,8 +162,8 @@ class _Shadow(TorchDispatchMode):
                 return torch.device("cpu")
             return x
 
-        rargs = tree_map(sub, args)
-        rkwargs = tree_map(sub, kwargs)
+        rargs = pytree.tree_map(sub, args)
+        rkwargs = pytree.tree_map(sub, kwargs)
         if _FACTORY_DEVICE_KW in rkwargs and str(rkwargs[_FACTORY_DEVICE_KW]) == "meta":
             rkwargs[_FACTORY_DEVICE_KW] = torch.device("cpu")
         if unknown:  # an input with no real value: its result has none either

@@ -16,12 +16,12 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from autopar.models import get
+from autopar.runtime._torch_compat import TorchDispatchMode
 
 import autopar
 from autopar.cost import estimate, load_profile
 from autopar.cost.optimizer_step import step_bytes
-from autopar.models import get
 
 
 class _Casts(TorchDispatchMode):
