@@ -214,7 +214,8 @@ def recompute_rows(model: Any, chosen: Any, recompute: Any, limit: float) -> lis
     without recompute (over the limit, or slower). `recompute`: the pin ("auto" ...)."""
     n_blocks = int(model.blocks.sum())
     k = len(chosen.recompute)
-    flavor = next(iter(chosen.recompute.values()), "")
+    modes = set(chosen.recompute.values())
+    flavor = modes.pop() if len(modes) == 1 else ("mixed" if modes else "")
     row = {"value": f"{k}/{n_blocks} blocks {flavor}".rstrip(), "status": "chosen", "step_s": chosen.step_s,
            "peak_bytes": chosen.peak_bytes, "label": chosen.candidate.label()}
     if k == 0:

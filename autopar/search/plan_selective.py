@@ -37,7 +37,7 @@ from autopar.cost.ops import packet_name
 from autopar.cost.symbolic import evaluate
 from autopar.cost.timeline import communicates, stop_runs
 from autopar.passes.recompute import SELECTIVE_SAVE_OPS, in_module
-from autopar.search.recompute_chain import is_saveable, written_nodes
+from autopar.search.recompute_chain import is_saveable, made_bytes, written_nodes
 
 __all__ = ["BLOCK_UNIT", "FLAVORS", "kept_nodes", "selective_keep", "selective_keys", "selective_units", "with_modes"]
 
@@ -105,7 +105,6 @@ def selective_units(model: Any, u: Any, t: int, rows: int, cp: int = 1) -> tuple
     div = model.sharding(t).mem_div
     values = model._values(rows, cp)
     scale = 1.0 if model.symbolic_batch else rows / (model.captured_rows or rows)
-    storages = model.gc.storages
     kept_b, kept_t = np.zeros(model.L), np.zeros(model.L)
     memo: dict = {}
 
@@ -119,13 +118,7 @@ def selective_units(model: Any, u: Any, t: int, rows: int, cp: int = 1) -> tuple
 
     for x, nodes in keep.items():
         for n in nodes:
-            for k in n.new_storages:
-                st = storages.get(k)
-                if st is not None and st.producer == n.index and not st.is_state:
-                    kept_b[x] += ev(st.nbytes) / div.get(k, 1)
-            for k, nb, _tag in n.saved:
-                if k not in storages:
-                    kept_b[x] += ev(nb) / div.get(k, 1)
+            kept_b[x] += made_bytes(model.gc, n, ev, div)
             kept_t[x] += float(u.node_fwd[n.index])
     rc_save = np.where(model.blocks > 0, np.maximum(u.rc_save - kept_b * scale, 0.0), 0.0)
     rc_time = np.where(model.blocks > 0, np.maximum(u.rc_time - kept_t, 0.0), 0.0)

@@ -46,7 +46,7 @@ from autopar.cost.timeline import Region, SegmentUse, Timeline, communicates, no
 from autopar.passes.recompute import SELECTIVE_SAVE_OPS, in_module, mutated_args, region_nodes, region_problem
 
 __all__ = ["SAVEABLE_OPS", "NO_MODULE", "NO_ACTIVATION", "Item", "Segment", "ChainModel", "Choices", "build_chain",
-           "is_saveable", "written_nodes",
+           "is_saveable", "made_bytes", "written_nodes",
            "model_peak", "model_cost", "regions_of", "off_choices"]
 
 # kernels whose outputs selective checkpointing can keep at the bytes the cost model knows
@@ -180,7 +180,7 @@ def build_chain(gm: fx.GraphModule, gc: GraphCost, values: Mapping | None = None
             sec = timer.node(n)[0] if n.kind not in ("view", "none") else 0.0
             full_s += sec
             full_f += fl
-            nb = _made_bytes(gc, n, vals)
+            nb = made_bytes(gc, n, lambda x: evaluate(x, vals))
             if nb > 0 and sec > 0 and is_saveable(n) and n.name not in written:
                 items.append(Item(n.index, n.key, nb, sec, fl))
         segments.append(Segment(name, first, last, a, True, b, region, items, full_s, full_f))
@@ -238,17 +238,19 @@ def is_saveable(n: NodeCost) -> bool:
     return True
 
 
-def _made_bytes(gc: GraphCost, n: NodeCost, vals) -> float:
+def made_bytes(gc: GraphCost, n: NodeCost, ev, div: Mapping[Any, float] | None = None) -> float:
     """Bytes of the storages node `n` creates (outputs and saved buffers): what the selective
-    cache keeps when `n` is kept."""
+    cache keeps when `n` is kept. `ev` evaluates a size; `div`: per storage, the ranks it is
+    divided over (the sharding's storage divisors)."""
+    div = div or {}
     total = 0.0
     for k in n.new_storages:
         st = gc.storages.get(k)
         if st is not None and st.producer == n.index and not st.is_state:
-            total += evaluate(st.nbytes, vals)
+            total += ev(st.nbytes) / div.get(k, 1)
     for k, nb, _t in n.saved:
         if k not in gc.storages:
-            total += evaluate(nb, vals)
+            total += ev(nb) / div.get(k, 1)
     return total
 
 
