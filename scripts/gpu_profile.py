@@ -4,8 +4,12 @@ For the ~1.1 B GPT of scripts/gpu_check.py (bf16, batch 4 x 2048), each variant 
 two phases (forward + backward, then the optimizer step, each between synchronisations) and
 profiled for two steps with torch.profiler. It prints one line per variant and writes, per
 variant, the top operators by self device time and by self CPU time to OUT/profile_<name>.txt.
+With --by-kind each variant also gets the cost model's step split by kind of work (GEMMs,
+attention, other ops, optimizer, outside ops) against the profiled one (autopar.tools.op_kinds):
+where the prediction is short, by kind. Predicted with the h100-sxm profile (--profile).
 
     python scripts/gpu_profile.py [--only eager,pure,mixed,recompute,offload] [--out DIR] [--launch] [--sync-debug]
+                                  [--by-kind] [--profile NAME]
 """
 from __future__ import annotations
 
@@ -117,9 +121,23 @@ def launch_costs() -> list[str]:
     return out
 
 
-def run(name: str, out: Path, steps: int, sync_debug: bool = False) -> str:
+def predicted_estimate(name: str, model, pm, example, profile: str):
+    """The cost model's estimate of the variant's step: the eager model captured and costed as
+    one rank with no masters (torch's AdamW over its bf16 parameters); an autopar variant's
+    global graph under its plan, as build/predict.py costs it."""
+    from autopar.capture import capture
+    from autopar.cost import estimate
+    from autopar.passes.plan import Plan
+
+    if pm is None:
+        return estimate(capture(model, (example,)), Plan(mesh={"dp": 1}), profile, master_dtype=None)
+    return estimate(pm.global_graph, pm.plan, profile, batch_is_global=True)
+
+
+def run(name: str, out: Path, steps: int, sync_debug: bool = False, by_kind: str | None = None) -> str:
     import autopar
     from autopar.models.gpt import loss_fn
+    from autopar.tools import op_kinds
 
     ctx = Ctx(False, torch.device("cuda", 0), out)
     cfg = gpt_config(False)
@@ -127,6 +145,7 @@ def run(name: str, out: Path, steps: int, sync_debug: bool = False) -> str:
     model = _build(cfg, ctx, torch.bfloat16)
     opts = VARIANTS[name]
     state = {"i": 0}
+    pm = None
     if opts is None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -157,20 +176,31 @@ def run(name: str, out: Path, steps: int, sync_debug: bool = False) -> str:
     torch.cuda.reset_peak_memory_stats()
     from torch.profiler import ProfilerActivity, profile
 
+    from torch.profiler import record_function
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             fwd_bwd()
-            opt_step()
+            with record_function(op_kinds.OPTIMIZER_RANGE):
+                opt_step()
         torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2 ** 30
     ka = prof.key_averages()
     text = (f"# {name}: fwd+bwd {fb * 1e3:.1f} ms, optimizer {op * 1e3:.1f} ms, peak {peak:.1f} GiB{extra}\n\n"
             + ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
             + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    kinds = ""
+    if by_kind:
+        est = predicted_estimate(name, model, pm, data[0][0][0], by_kind)
+        rows = op_kinds.kind_rows(op_kinds.predicted_kinds(est), est.step_s,
+                                  op_kinds.measured_kinds(prof.events(), 2, "cuda"), fb + op)
+        kinds = (f"\n# {name} by kind of work, predicted ({by_kind}) against measured (self device time of two "
+                 f"profiled steps; step: the unprofiled median)\n" + op_kinds.kind_text(rows))
+        text += "\n" + kinds
     if sync_debug:
         text += f"\n\n# {len(syncs)} host-device synchronisations in one step, by place\n" + "\n".join(syncs)
     (out / f"profile_{name}.txt").write_text(text)
-    return text.splitlines()[0]
+    return text.splitlines()[0] + kinds
 
 
 def main() -> int:
@@ -180,6 +210,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--launch", action="store_true", help="also time small launch-bound calls (host cost per op)")
     p.add_argument("--sync-debug", action="store_true", help="list where one step synchronises host and device")
+    p.add_argument("--by-kind", action="store_true", help="the step by kind of work, predicted against measured")
+    p.add_argument("--profile", default="h100-sxm", help="the hardware profile --by-kind predicts with")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +230,8 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     for name in [n for n in a.only.split(",") if n]:
         try:
-            lines.append(run(name, out, a.steps if name != "offload" else 2, a.sync_debug))
+            lines.append(run(name, out, a.steps if name != "offload" else 2, a.sync_debug,
+                             a.profile if a.by_kind else None))
         except Exception as e:  # one variant's failure must not hide the others
             lines.append(f"# {name}: FAILED {type(e).__name__}: {e}")
         print(lines[-1], flush=True)

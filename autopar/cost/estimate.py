@@ -284,6 +284,9 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
             else:
                 payload = ev(cm.nbytes)
             graph_comm.append((n.index, cm.op, cm.axis, payload, cm.backward))
+    by_kind = dict.fromkeys(("matmul", "attention", "other"), 0.0)  # one micro-batch's compute per kind of work
+    for n in gc.nodes:
+        by_kind[n.cost.kind if n.cost.kind in by_kind else "other"] += fwd_t[n.index] + bwd_t[n.index]
     graph_comm += [(e.node, e.op, e.axis or ep_ev.axis, e.payload, e.backward) for e in ep_ev.events]
     last = gc.nodes[-1].index if gc.nodes else 0  # the vocab-parallel loss's all-reduces (loss_memory)
     graph_comm += [(last, op, axis, payload, False) for op, axis, payload in loss_collectives(gc, plan, ev)]
@@ -571,4 +574,5 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
         comm=sorted(comm_reports.values(), key=lambda r: (r.phase, r.axis, r.op)), layers=layers,
         unknown_ops=dict(sorted(gc.unknown_ops.items())), unknown_saved=dict(sorted(gc.unknown_saved.items())),
         notes=notes, analysis_s=time.perf_counter() - t0, recompute_s=recompute_s,
+        compute_by_kind={k: v * n_micro for k, v in by_kind.items()},
     )  # fmt: skip

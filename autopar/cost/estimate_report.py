@@ -68,6 +68,10 @@ class Estimate:
     analysis_s: float = 0.0
     recompute_s: float = 0.0  # forward ops run again in backward (inside bwd_s and step_s)
     contention_s: float = 0.0  # compute slowed by overlapped collectives (inside comm_exposed_s and step_s)
+    # the graph's compute per kind of work ("matmul", "attention", "other": pointwise, norms, reductions, copies,
+    # embedding, loss), forward + backward of every micro-batch, without collectives, replays (recompute_s) or
+    # a pipeline's split (the whole graph's): what `autopar.tools.op_kinds` sets against a profiled step
+    compute_by_kind: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
