@@ -8,9 +8,10 @@ dimension pinned (`autopar.search.planner.plan_for(gm, world, hw, pins={"tp", "p
 "zero_stage", "n_microbatches", "schedule", "recompute"}, global_batch=...)`: with all axes
 pinned the planner costs that one configuration; what it still chooses is only what the
 publication does not say: the sharding on tp (sequence parallelism included), the stage split,
-fusions, and recompute where it is not pinned). The pinned Plan's `predicted` (step time, MFU, tokens/s) is
-printed against the published figure, with error = predicted / published - 1 (for MFU and
-tokens/s a positive error means the cost model is optimistic, for step time pessimistic).
+fusions, and recompute where it is not pinned). The pinned Plan's `predicted` (step time, TFLOP/s per
+GPU in the source's FLOP count, tokens/s) is printed against the published figure, with error =
+predicted / published - 1 (for TFLOP/s and tokens/s a positive error means the cost model is
+optimistic, for step time pessimistic).
 Then `plan_for` runs unpinned on the same model, GPUs and global batch (as
 benchmarks/bench_planner.py calls it) and its own plan and prediction are printed beside.
 
@@ -56,17 +57,25 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   pins that weight S(0) on tp and prices the loss on the shards (`search.shard_loss`).
 * llama3-405b-8k-8192 / -16384 / -128k-16384 -- Dubey et al. 2024, "The Llama 3 Herd of Models"
   (arXiv 2407.21783), the table of 4D-parallel configurations: 8,192 GPUs TP8 CP1 PP16 DP64
-  seq 8,192, 43 % BF16 MFU; 16,384 GPUs TP8 CP1 PP16 DP128 seq 8,192, 41 %; 16,384 GPUs TP8
-  CP16 PP16 DP8 seq 131,072, 38 % (configs and MFU as given in issue 22; the 38-43 % range is
-  confirmed by aiportalx.com/meta-ai/llama-3.1-8b quoting the paper). The batch, 16M tokens
-  per step = 2,048 sequences of 8,192 (batch/DP 32 and 16, micro-batch 1), is the paper's as
-  recalled, NOT re-checked with this session's tools. The MFU column is compared with the cost
-  model's MFU (its own FLOP count of the captured graph over the bf16 peak; the paper's FLOP
-  count is its own).
+  seq 8,192, 430 TFLOP/s per GPU (43 % BF16 MFU); 16,384 GPUs TP8 CP1 PP16 DP128 seq 8,192, 400
+  (41 %); 16,384 GPUs TP8 CP16 PP16 DP8 seq 131,072, 380 (38 %); 16M tokens per step in all three
+  (the same table as shown at SC'24, quoted at glennklockwood.com/garden/llama-3.1). 16M tokens =
+  2,048 sequences of 8,192 (batch/DP 32 and 16, micro-batch 1) or 128 of 131,072.
+  The published figure is TFLOP/s per GPU in the paper's own FLOP count, the MFU of Chowdhery et
+  al. (PaLM): `source_flops_per_token` (6 N + 12 L H Q T); the predicted step is converted to the
+  same count (tokens/s per GPU x that count), so the error is the step-time error inverted. Until
+  2026-11-27 the rows compared MFUs of two FLOP counts (the cost model's FlopCounterMode count,
+  +1.4 % at 8,192 tokens and +9.6 % at 131,072 over PaLM's): +17.1 %, +2.9 %, +20.8 %.
   Pins: ZeRO 2 (the paper's FSDP shards optimizer states and gradients but does not reshard
   parameters after forward), micro-batches = batch/DP (micro-batch 1), interleaved_1f1b (the
   paper's schedule is interleaved), recompute left to the planner (not published). The
-  number of virtual stages per rank is not in the sources above: the planner searches it
+  data-parallel sync goes one transformer block at a time, as FSDP units do
+  (`Row.fsdp_block_buckets`: "bucket_mb" = one block's bf16 parameters on a tp rank, 760 MiB),
+  not in DDP's 25 MB buckets: at 25 MB the ring's per-step latency (127 steps of 8 us per
+  collective on 128 ranks, ~800 collectives) priced 1.57 s of sync on 16,384 GPUs against 0.54 s
+  (assumption: the paper does not say how its FSDP wraps the model; wrapping per block is FSDP's
+  and torchtitan's practice).
+  The number of virtual stages per rank is not in the sources above: the planner searches it
   (`candidate.virtual_choices`: 2, 3, 4 or 8 for 128 units on 16 ranks) unless
   `--pp-virtual V` pins it (the "pp_virtual" pin; a Row's `vpp` pins it for a source that
   gives it).
@@ -217,7 +226,7 @@ class Row:
     seq: int
     global_batch: int  # sequences per step
     pins: dict  # the published plan
-    metric: str  # "step_s" | "mfu" | "tokens_per_s_gpu"
+    metric: str  # "step_s" | "tflops_per_gpu" (the source's FLOP count, `source_flops_per_token`) | "tokens_per_s_gpu"
     published: float
     source: str
     memory_gb: float | None = None  # device memory of the published run when it differs from the profile's
@@ -231,6 +240,8 @@ class Row:
     # vocab_parallel_cross_entropy): the planner's "loss_parallel" pin
     our_fusions: bool = False  # the run was autopar's, with the plan's Triton fusions: priced with them
     # (`plan.predicted["with_fusions"]`, search/plan_write.price_fusions), as it ran
+    fsdp_block_buckets: bool = False  # the run's data-parallel sync went one transformer block at a time (FSDP
+    # units): the "bucket_mb" pin is one block's parameters on a rank (`block_bucket_mb`), not DDP's 25 MB
 
 
 def _mega(key, h, a, L, tp, pp, batch, t, micro=1, layer_ms=None, layer_ms_rc=None):
@@ -241,11 +252,12 @@ def _mega(key, h, a, L, tp, pp, batch, t, micro=1, layer_ms=None, layer_ms_rc=No
                loss_parallel=True)  # Megatron-LM's vocab_parallel_cross_entropy
 
 
-def _llama(key, gpus, dp, per_dp, mfu, seq=8192, cp=1):
+def _llama(key, gpus, dp, per_dp, tflops, seq=8192, cp=1):
     return Row(key, ("spec", "llama3-405b"), gpus, "h100-sxm", seq, dp * per_dp,
                {"tp": 8, "pp": 16, "dp": dp, "zero_stage": 2, "n_microbatches": per_dp, "schedule": "interleaved_1f1b",
                 **({"cp": cp} if cp > 1 else {})},
-               "mfu", mfu, "Llama 3 paper, Table 4", cp=cp, loss_parallel=True)  # vocab-parallel (docstring)
+               "tflops_per_gpu", tflops, "Llama 3 paper, Table 4", cp=cp,
+               loss_parallel=True, fsdp_block_buckets=True)  # vocab-parallel loss; FSDP per block (docstring)
 
 
 OURS_1B = dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=2048,
@@ -265,9 +277,9 @@ ROWS: dict[str, Row] = {r.key: r for r in [
          "param_layouts": {"lm_head.weight": {"tp": "S(0)"}}},  # ColwiseParallel output, Shard(-1)
         "tokens_per_s_gpu", 829.0, "torchtitan docs/performance.md, Table 4 (Float8)", memory_gb=96.0,
         published_peak_gib=71.9, loss_parallel=True),
-    _llama("llama3-405b-8k-8192", 8192, 64, 32, 0.43),
-    _llama("llama3-405b-8k-16384", 16384, 128, 16, 0.41),
-    _llama("llama3-405b-128k-16384", 16384, 8, 16, 0.38, seq=131072, cp=16),
+    _llama("llama3-405b-8k-8192", 8192, 64, 32, 430.0),  # TFLOP/s per GPU (43 % BF16 MFU)
+    _llama("llama3-405b-8k-16384", 16384, 128, 16, 400.0),  # (41 %)
+    _llama("llama3-405b-128k-16384", 16384, 8, 16, 380.0, seq=131072, cp=16),  # (38 %)
 ]}
 
 
@@ -325,13 +337,48 @@ def as_ran(row: Row, plan) -> dict:
     return {**plan.predicted, **plan.predicted.get("with_fusions", {})} if row.our_fusions else plan.predicted
 
 
+def source_flops_per_token(row: Row) -> float:
+    """FLOPs per token of forward + backward as the row's source counts them, for a
+    "tflops_per_gpu" row: PaLM's model-FLOPs count (Chowdhery et al. 2022, arXiv 2204.02311,
+    Appendix B), which the Llama 3 paper names for its MFU: 6 N + 12 L H Q T, N the parameters
+    but the input embedding (a lookup, no matmul; torchtitan's `get_num_flop_per_token` convention),
+    L layers, H heads, Q head dim, T the sequence; attention counted whole, causal or not.
+    (The cost model's own count, FlopCounterMode's, times the causal attention at half its score
+    matrix but counts flash's backward as five matmuls, 14 L H Q T; the paper's figures are in
+    its own count, so the prediction is converted to it, never the published figure to ours.)"""
+    from autopar.models import get
+
+    if row.model[0] != "spec":
+        raise ValueError(f"{row.key}: a source FLOP count needs a registry model, got {row.model!r}")
+    if row.model[1] not in _MATMUL_PARAMS:
+        with torch.device("meta"):
+            model = get(row.model[1]).build()
+        _MATMUL_PARAMS[row.model[1]] = sum(p.numel() for p in model.parameters()) - model.tok_emb.weight.numel()
+    cfg = get(row.model[1]).config
+    return 6.0 * _MATMUL_PARAMS[row.model[1]] + 12.0 * cfg.n_layers * cfg.dim * row.seq  # H Q = dim
+
+
+_MATMUL_PARAMS: dict[str, int] = {}  # registry name -> parameters but the input embedding
+
+
+def block_bucket_mb(row: Row) -> float:
+    """MiB of one transformer block's parameters on a rank (its tp shard, in the model's dtype):
+    the data-parallel payload of one FSDP unit, for a row with `fsdp_block_buckets`."""
+    from autopar.models import get
+
+    with torch.device("meta"):
+        block = get(row.model[1]).build().to(torch.bfloat16).layers[0]
+    return sum(p.numel() * p.element_size() for p in block.parameters()) / row.pins.get("tp", 1) / 2**20
+
+
 def figure(row: Row, predicted: dict) -> float:
     """The predicted figure in the published metric."""
     if row.metric == "step_s":
         return float(predicted["step_s"])
-    if row.metric == "mfu":
-        return float(predicted["mfu"])
-    return float(predicted["tokens_per_s"]) / row.gpus  # (not in with_fusions: no fused row measures tokens/s)
+    per_gpu = float(predicted["tokens_per_s"]) / row.gpus  # (not in with_fusions: no fused row measures tokens/s)
+    if row.metric == "tflops_per_gpu":
+        return per_gpu * source_flops_per_token(row) / 1e12
+    return per_gpu
 
 
 def fmt(row: Row, v: float | None) -> str:
@@ -339,8 +386,8 @@ def fmt(row: Row, v: float | None) -> str:
         return "-"
     if row.metric == "step_s":
         return f"{v:.3f} s"
-    if row.metric == "mfu":
-        return f"{v:.1%} MFU"
+    if row.metric == "tflops_per_gpu":
+        return f"{v:.0f} TFLOP/s/GPU"
     return f"{v:,.0f} tok/s/GPU"
 
 
@@ -370,6 +417,8 @@ def row_pins(row: Row, pp_virtual: int | None = None) -> dict[str, Any]:
     """The row's published plan as planner pins; `pp_virtual` (else the row's own `vpp`) pins
     the virtual stages per rank of an interleaved schedule (otherwise the planner searches it)."""
     pins = dict(row.pins, **({"loss_parallel": True} if row.loss_parallel else {}))
+    if row.fsdp_block_buckets:
+        pins["bucket_mb"] = block_bucket_mb(row)
     v = pp_virtual or row.vpp
     if v and pins.get("schedule") == "interleaved_1f1b":
         pins["pp_virtual"] = v

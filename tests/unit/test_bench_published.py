@@ -128,3 +128,24 @@ def test_memory_column_compares_the_predicted_peak_with_the_published_runs_measu
     over = {**r, "peak_gib": 98.6}  # +37 %: outside the band
     bench.print_table([r, no_pub, over])
     assert "memory: 2 rows with a published peak; within +-10 %: 1" in capsys.readouterr().out
+
+
+def test_llama_rows_compare_tflops_in_the_papers_own_flop_count_and_sync_one_block_at_a_time():
+    """The Llama 3 rows publish TFLOP/s per GPU in PaLM's count (6 N + 12 L H Q T, N without the
+    input embedding): the prediction is converted to that count, never compared in another one;
+    their data-parallel buckets are one block's parameters on a tp rank (FSDP units)."""
+    bench = _bench()
+    row = bench.ROWS["llama3-405b-8k-8192"]
+    assert (row.metric, row.published) == ("tflops_per_gpu", 430.0)
+    n = 405_853_388_800 - 128_256 * 16_384  # Llama 3.1 405B's parameters but its input embedding
+    per_token = bench.source_flops_per_token(row)
+    assert per_token == 6.0 * n + 12.0 * 126 * 16_384 * 8_192
+    long = bench.ROWS["llama3-405b-128k-16384"]
+    assert bench.source_flops_per_token(long) - per_token == 12.0 * 126 * 16_384 * (131_072 - 8_192)
+    # tokens/s over the cluster -> TFLOP/s per GPU in that count
+    assert abs(bench.figure(row, {"tokens_per_s": 1.0e6, "step_s": 1.0}) - 1.0e6 / 8_192 * per_token / 1e12) < 1e-9
+    assert bench.fmt(row, 429.6) == "430 TFLOP/s/GPU"
+    # one block: 4 d^2 attention (q, o whole; k, v at 8 of 128 heads) + 3 d ffn + 2 norms, bf16, / tp 8
+    block = 2 * 16_384**2 + 2 * 16_384 * 1_024 + 3 * 16_384 * 53_248 + 2 * 16_384
+    assert bench.row_pins(row)["bucket_mb"] == block * 2 / 8 / 2**20
+    assert "bucket_mb" not in bench.row_pins(bench.ROWS["megatron-175b"])  # DDP's buckets where the source is Megatron
