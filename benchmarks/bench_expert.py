@@ -12,9 +12,13 @@ noise hits both alike; printed: tokens/s of each (median step) and the ratio EP 
 dropless mode and in capacity mode (`--capacity`).
 
 Then, for one EP step, the payload bytes `collectives.COUNTER` counted for all_to_all on the
-ep axis (mean over ranks and the busiest rank) next to the prediction of
-`autopar.search.expert.ep_cost` — at imbalance 1 for the mean, and with the routing
-imbalance measured in that step (max over ranks of rows received / mean) for the busiest.
+ep axis (mean over ranks and the busiest rank) next to the prediction of the one cost model,
+`autopar.cost.estimate` of the EP program's plan (`Estimate.collectives()["all_to_all@ep"]`,
+routing taken as balanced) — as it is for the mean; for the busiest rank scaled by the routing
+imbalance measured in that step (f, max over ranks of rows received / mean, per layer): a
+block's payload is (rows sent + rows received) x (2 rows' bytes + side data), its busiest rank's
+(1 + f) / 2 times the balanced one (the model's layers share one config, so each block is
+the balanced total / blocks).
 
 Note on the DP reference: models/moe.py dispatches into static per-expert slots (capacity N
 when dropless), so its experts compute E * N rows where a sparse dispatch computes N * K; the
@@ -36,7 +40,8 @@ from autopar.models import token_batch
 from autopar.runtime import moe
 from autopar.runtime.collectives import COUNTER
 from autopar.runtime.launch import run_world
-from autopar.search.expert import detect_moe, ep_cost, measured_imbalance
+from autopar.cost import estimate
+from autopar.search.expert import detect_moe, measured_imbalance
 
 CONFIG = MoEConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=512, max_seq_len=64,
                    n_experts=8, top_k=2)
@@ -81,7 +86,8 @@ def _world(rank: int, ws: int, rounds: int, warmup: int, cf: float):
         progs["ep"][1].zero_grad()
         out[mode] = {"ep_s": statistics.median(times["ep"]), "dp_s": statistics.median(times["dp"]),
                      "a2a_bytes": counted, "imbalance": [measured_imbalance([r]) for r in routes],
-                     "plan": ep.plan.extra["expert"]["predicted"], "tokens_per_rank": ep.plan.extra["expert"]["tokens_per_rank"]}
+                     "predicted": estimate(ep.global_graph, ep.plan, "cpu-gloo", batch_is_global=True)
+                     .collectives()["all_to_all@ep"]["bytes"]}
     return out
 
 
@@ -110,13 +116,10 @@ def main() -> None:
     for mode in res[0]:
         counted = [r[mode]["a2a_bytes"] for r in res]
         f = res[0][mode]["imbalance"]  # per layer (every rank sees the same all-gathered counts)
-        cf = args.capacity if mode.startswith("capacity") else None
-        tpr = res[0][mode]["tokens_per_rank"]
-        pred = ep_cost(blocks, {"ep": args.world}, tokens_per_rank=tpr, capacity_factor=cf)
-        pred_max = sum(ep_cost([b], {"ep": args.world}, tokens_per_rank=tpr, capacity_factor=cf,
-                               imbalance=fl).a2a_payload_bytes_max for b, fl in zip(blocks, f))
+        pred = res[0][mode]["predicted"]
+        pred_max = sum(pred / len(blocks) * (1 + fl) / 2 for fl in f)
         mean = sum(counted) / len(counted)
-        print(f"{mode:<16}{mean:>14.0f}{pred.a2a_payload_bytes:>12.0f}{mean / pred.a2a_payload_bytes:>8.3f}"
+        print(f"{mode:<16}{mean:>14.0f}{pred:>12.0f}{mean / pred:>8.3f}"
               f"{max(counted):>14.0f}{pred_max:>12.0f}{max(counted) / pred_max:>8.3f}"
               f"{' '.join(f'{x:.2f}' for x in f):>11}")
     print("(imbalance per layer. The busiest-rank prediction adds each layer's busiest rank, a bound when different\n"

@@ -63,8 +63,8 @@ def complete_plan(plan: Plan, global_gm: fx.GraphModule, local_gm: fx.GraphModul
         from autopar.search.expert import plan_experts  # noqa: PLC0415
 
         plan.extra["expert"] = on_rank0(  # the same on every rank: rank 0 detects and plans, a bad mesh fails everywhere
-            lambda: plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches,
-                                 hardware=hardware), what="the expert plan")
+            lambda: plan_experts(global_gm, mesh, dp_axis=plan.dp_axis, n_microbatches=plan.n_microbatches),
+            what="the expert plan")
         plan.notes += plan.extra["expert"]["notes"]
     search_sharding(plan, global_gm, mesh, hardware, group=planning_group(), node_pins=expert_node_pins(plan, mesh))
     if mesh.size("ep") > 1:

@@ -264,7 +264,7 @@ class RankTables:
         mesh = c.mesh()
         mine = self.expert_entry()
         entry = plan_experts(self.gm, mesh, dp_axis="dp" if "dp" in mesh else None, n_microbatches=c.micro,
-                             hardware=self.hw, blocks=self.moe_blocks, router_stat_keys=mine["router_stats"])
+                             blocks=self.moe_blocks, router_stat_keys=mine["router_stats"])
         assert all(entry[k] == v for k, v in mine.items()), "the planner priced another entry"
         return entry
 

@@ -245,7 +245,7 @@ def shard_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> Non
     search_sharding(plan, global_gm, Mesh(dict(plan.mesh)), hardware)
 
 
-def expert_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> None:
+def expert_plan(plan: Plan, global_gm: fx.GraphModule) -> None:
     """Fill plan.extra["expert"] (the MoE blocks and their ep dispatch) as `autopar.parallelize`
     does for a mesh with an ep axis; ValueError when the model has no MoE block or ep does
     not divide its experts."""
@@ -254,7 +254,7 @@ def expert_plan(plan: Plan, global_gm: fx.GraphModule, hardware: Hardware) -> No
     from autopar.search.expert import plan_experts  # noqa: PLC0415
 
     plan.extra["expert"] = plan_experts(global_gm, dict(plan.mesh), dp_axis=plan.dp_axis,
-                                        n_microbatches=plan.n_microbatches, hardware=hardware)
+                                        n_microbatches=plan.n_microbatches)
     plan.notes += plan.extra["expert"].get("notes", [])
 
 
@@ -347,7 +347,7 @@ def _fallback(global_gm, meshes, hw, *, batch, zero_stage, n_microbatches, sched
             try:
                 base.notes += check_moe_aux_stats(base, global_gm, moe_aux_stats)  # refuses mb > 1 under "global"
                 if mesh.get("ep", 1) > 1:
-                    expert_plan(base, global_gm, hw)
+                    expert_plan(base, global_gm)
                 if mesh.get("tp", 1) > 1:
                     shard_plan(base, global_gm, hw)
                 if pp > 1:
@@ -523,7 +523,7 @@ def plan_model(source: ModelSource, *, mesh: Mapping[str, int] | None = None, wo
         stamp(c.plan, global_gm)  # the graph's fingerprint: `run` and `verify` refuse it for another model
     best = cands[0].plan
     if best.mesh.get("ep", 1) > 1 and "partial" not in best.extra:
-        expert_plan(best, global_gm, hw)  # so that the plan file runs, and dumps, as parallelize would
+        expert_plan(best, global_gm)  # so that the plan file runs, and dumps, as parallelize would
     for n in axis_notes(best):
         if n not in best.notes:
             best.notes.append(n)

@@ -41,7 +41,7 @@ def _sequence_sharded_norms(plan: Plan) -> list[str]:
 def test_tp_search_beside_ep_shards_the_sequence_outside_the_moe_blocks_and_keeps_them_whole(gm):
     mesh = make_mesh(tp=2, ep=2)
     plan = Plan(mesh=dict(mesh.sizes), dp_axis=None)
-    plan.extra["expert"] = plan_experts(gm, mesh, dp_axis=None, n_microbatches=1, hardware="cpu-gloo")
+    plan.extra["expert"] = plan_experts(gm, mesh, dp_axis=None, n_microbatches=1)
     pins = expert_node_pins(plan, mesh)
     assert pins and pins["tp"], "tp2 x ep2 on an MoE model: the expert pass's nodes are pinned"
     search_sharding(plan, gm, mesh, "cpu-gloo", node_pins=pins)
