@@ -9,7 +9,8 @@
 # logs beside it; exits non-zero on any failure.
 #   bash scripts/gpu_check.sh             on the GPU machine
 #   bash scripts/gpu_check.sh --dry-run   the same checks on the CPU at tiny sizes
-#   bash scripts/gpu_check.sh --skip tune,demo   leave sections or commands out
+#   bash scripts/gpu_check.sh --skip tune,demo   leave sections or commands out ("profile": the
+#                                                by-kind profile that follows the table)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " != *" --no-install "* ]]; then
@@ -20,5 +21,22 @@ if [[ " $* " != *" --no-install "* ]]; then
     }
 fi
 args=()
-for a in "$@"; do [[ "$a" == "--no-install" ]] || args+=("$a"); done
-exec python3 scripts/gpu_check.py ${args[@]+"${args[@]}"}
+skip="" out="" dry=0 prev=""
+for a in "$@"; do
+    [[ "$a" == "--no-install" ]] || args+=("$a")
+    case "$prev" in --skip) skip="$a" ;; --out) out="$a" ;; esac
+    case "$a" in --skip=*) skip="${a#--skip=}" ;; --out=*) out="${a#--out=}" ;; --dry-run) dry=1 ;; esac
+    prev="$a"
+done
+python3 scripts/gpu_check.py ${args[@]+"${args[@]}"}
+rc=$?
+# then where the step's time goes, by kind of work, predicted against profiled (eager and the
+# bf16-mixed autopar step of the same 1.1 B GPT): scripts/gpu_profile.py --by-kind, beside the table
+if [[ $dry == 0 && ",$skip," != *",profile,"* ]]; then
+    dir="$(dirname "${out:-${OUT:-out}/gpu_check.txt}")"
+    python3 scripts/gpu_profile.py --only eager,mixed --by-kind --steps 3 --out "$dir" || {
+        echo "gpu_check: scripts/gpu_profile.py --by-kind failed" >&2
+        rc=1
+    }
+fi
+exit $rc

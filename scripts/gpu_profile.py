@@ -174,9 +174,7 @@ def run(name: str, out: Path, steps: int, sync_debug: bool = False, by_kind: str
     syncs = _sync_points(lambda: (fwd_bwd(), opt_step())) if sync_debug else []
     fb, op = _phases(fwd_bwd, opt_step, steps)
     torch.cuda.reset_peak_memory_stats()
-    from torch.profiler import ProfilerActivity, profile
-
-    from torch.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
