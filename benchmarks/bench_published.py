@@ -13,7 +13,11 @@ GPU in the source's FLOP count, tokens/s) is printed against the published figur
 predicted / published - 1 (for TFLOP/s and tokens/s a positive error means the cost model is
 optimistic, for step time pessimistic).
 Then `plan_for` runs unpinned on the same model, GPUs and global batch (as
-benchmarks/bench_planner.py calls it) and its own plan and prediction are printed beside.
+benchmarks/bench_planner.py calls it) and its own plan and prediction are printed beside; a row
+whose run computed the loss on vocabulary shards (`Row.loss_parallel`) keeps that loss pinned
+there too (the loss is the program's, not a parallel choice: the user's loss function calls
+`autopar.cross_entropy`). Until 2026-11-27 the planner planned those rows with the gathered
+loss, so its plan could come out slower than the published one under the same model.
 
 Rows and sources (the figures are copied from these; nothing is estimated here):
 
@@ -465,7 +469,7 @@ def cost_row(row: Row, planner: bool = True, pp_virtual: int | None = None, atte
     if planner:
         try:
             pplan, _ = plan_for(gm, row.gpus, hw, global_batch=row.global_batch, allow=ALLOW, memory_limit=limit,
-                                top_k=1)
+                                top_k=1, pins={"loss_parallel": True} if row.loss_parallel else None)
             out["planner_plan"] = pplan
             out["planner_figure"] = figure(row, as_ran(row, pplan))
         except ValueError as e:

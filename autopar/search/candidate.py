@@ -41,6 +41,9 @@ SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
 SCHEDULE_VIRTUAL = {"1f1b": 1, "gpipe": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
 
 
+BUCKET_MB = (25.0, 100.0, 400.0, 1600.0)  # gradient bucket sizes the planner tries (MiB; 25: DDP's default)
+
+
 @dataclass(frozen=True, order=True)
 class Candidate:
     """The discrete choices of a plan (the continuous ones — sharding of every node, split
@@ -128,6 +131,7 @@ class Evaluation:
     rank_peaks: list[float] = field(default_factory=list)  # per pp rank
     notes: list[str] = field(default_factory=list)
     pruned: bool = False  # not simulated: its bound is over the cutoff it was given
+    bucket_mb: float | None = None  # ZeRO 0-2 gradient buckets it was priced with (None: the search's default)
 
     @property
     def feasible(self) -> bool:

@@ -23,11 +23,12 @@ from autopar.search.candidate import plain
 
 __all__ = ["PLANNER_VERSION", "cache_key", "disk_get", "disk_put", "graph_fingerprint"]
 
-PLANNER_VERSION = 6  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory;
+PLANNER_VERSION = 7  # 2: precision and offload priced; 3: cp searched, tied pipelines under ZeRO, the loss in memory;
 # 4: ep priced as estimate, pipeline memory from the schedule walk, pp x cp and ep x cp planned;
 # 5: recompute planned under zb_h1 / zbv (stages holding regions priced as one backward), tp > 1 with a
 # symbolic MoE capacity, collectives per micro-batch; 6: pipeline stages that recompute walked with their
-# checkpoint regions (memory) and their recomputed forward in each stage's backward (time)
+# checkpoint regions (memory) and their recomputed forward in each stage's backward (time); 7: blocks
+# recomputed "selective", the gradient bucket size searched (`planner.BUCKET_MB`)
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

@@ -48,6 +48,8 @@ only on its key and the constructor's arguments); the working set is never an un
 """
 from __future__ import annotations
 
+import copy
+
 import math
 import re
 from dataclasses import dataclass
@@ -565,6 +567,16 @@ class PlanTables(ContextTables, RankTables):
     @property
     def trainable(self) -> bool:
         return any(p.requires_grad and not p.is_buffer for p in self.gc.params)
+
+    def with_buckets(self, bucket_mb: float) -> "PlanTables":
+        """The same tables costing ZeRO 0-2 gradient buckets of `bucket_mb` MiB: a shallow copy
+        sharing every table but the rank buckets (`plan_rank._rank_buckets`), the one that
+        depends on the size. Memory does not: the engines' in-flight flat buffers are priced whole."""
+        out = copy.copy(self)
+        out.bucket_mb, out.bucket_bytes = float(bucket_mb), bucket_caps(bucket_mb)
+        out._split_cache = {k: v for k, v in self._split_cache.items()
+                            if not (isinstance(k, tuple) and k and k[0] == "rank_buckets")}
+        return out
 
     def share_tables(self, other: "PlanTables") -> None:
         """Reuse `other`'s sharding ILPs and unit tables (they do not depend on the model states:

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from autopar.cost import load_profile
 from autopar.cost.placements import Layout
 from autopar.passes.plan import Plan
-from autopar.search.candidate import Evaluation, plain
+from autopar.search.candidate import BUCKET_MB, Evaluation, plain
 from autopar.search.expert import grouped_expert_layouts
 from autopar.search.explain import PlanReport, gib, seconds
 from autopar.search.plan_selective import selective_keys
@@ -70,7 +70,7 @@ def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:
     mesh = c.mesh()
     axes = tuple(mesh)
     plan = Plan(mesh=mesh, dp_axis="dp" if "dp" in mesh else None, zero_stage=c.zero if c.replicas > 1 else 0,
-                n_microbatches=c.micro, bucket_mb=float(search.pins.get("bucket_mb", 25.0)),
+                n_microbatches=c.micro, bucket_mb=float(ev.bucket_mb or search.pins.get("bucket_mb", 25.0)),
                 **search.model.precision)  # what was priced is what runs
     plan.loss_parallel = search.model.loss_parallel  # the loss the tables priced (`ShardInfo.loss`)
     if c.tp > 1:
@@ -123,6 +123,9 @@ def write_plan(search: Any, ev: Evaluation, report: PlanReport) -> Plan:
     })
     plan.notes.append(f"joint planner: {c.label()}, predicted step {seconds(ev.step_s)}, peak "
                       f"{gib(ev.peak_bytes)} of {gib(search.limit)} per rank")
+    if ev.bucket_mb is not None:
+        plan.notes.append(f"gradient buckets of {ev.bucket_mb:g} MiB: the fastest of {', '.join(f'{b:g}' for b in BUCKET_MB)}"
+                          f" MiB for this plan")
     pr = search.model.precision
     plan.notes.append(f"precision priced: parameters and compute {pr['param_dtype'] or 'as captured'}, masters "
                       f"{pr['master_dtype'] or 'none'}, gradient reduction {pr['reduce_dtype'] or 'as the gradients'}"

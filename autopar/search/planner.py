@@ -30,7 +30,9 @@ hierarchical:
           them, and the search against exhaustive enumeration). The top-k alternatives are the
           k best plans the search costed.
   polish  the top plans' pipeline splits are improved by moving each stage boundary by one
-          unit while the full prediction (simulated schedule) improves.
+          unit while the full prediction (simulated schedule) improves; then, with ZeRO 0-2
+          over several replicas and no "bucket_mb" pin, each is costed at every gradient
+          bucket size of `BUCKET_MB` and the fastest is kept (written as `Plan.bucket_mb`).
 
 Everything solved is cached: ILPs per tp degree, unit tables per (tp, rows per micro-batch),
 model states per (tp, ZeRO, dp); whole results by (graph fingerprint, mesh, hardware, pins,
@@ -83,7 +85,8 @@ import torch.fx as fx
 from autopar.cost import load_profile
 from autopar.passes.plan import Plan
 from autopar.passes.split_pipeline import brief_names
-from autopar.search.candidate import Candidate, Evaluation, candidates, has_router_stats, one_micro_batch, plain
+from autopar.search.candidate import (BUCKET_MB, Candidate, Evaluation, candidates, has_router_stats,
+                                      one_micro_batch, plain)
 from autopar.search.explain import (DIMENSIONS, PlanReport, context_rows, dimension_rows, gib, recompute_rows, seconds,
                                    sequence_parallel_rows)
 from autopar.search.plan_cache import PLANNER_VERSION, cache_key, disk_get, disk_put, graph_fingerprint
@@ -251,6 +254,7 @@ class _Search:
         self.bad_tp: dict[int, str] = {}
         self.one_micro = one_micro_batch(self.model, support)  # MoE aux losses over the global batch
         self._fusions: dict[int, list[str]] = {}  # rows split -> planned fusions (write_plan per candidate)
+        self._bucket_models: dict[float, PlanCostModel] = {}  # bucket MiB -> the model at that size (`_polish_buckets`)
 
     # --- bookkeeping per dimension value, for the explanations ----------------------------------
     def _rec(self, c: Candidate) -> Iterable[dict[str, Any]]:
@@ -372,7 +376,7 @@ class _Search:
         if not top:
             raise ValueError(self._infeasible_message())
         best = sorted((e for _s, _o, e in top), key=lambda e: (e.step_s, e.candidate))
-        best = self._polish(best)
+        best = self._polish_buckets(self._polish(best))
         for ev in best:
             self._note_fit(ev)
         chosen = best[0]
@@ -393,7 +397,8 @@ class _Search:
             or isinstance(self.recompute, Mapping)
 
     def _evaluate(self, c: Candidate, pins: list[str] | None = None, minimise: str = "time",
-                  cutoff: float | None = None, memory_only: bool = False) -> Evaluation | None:
+                  cutoff: float | None = None, memory_only: bool = False,
+                  model: PlanCostModel | None = None) -> Evaluation | None:
         rc = self.recompute
         if c.pp > 1 and not self.support.get("recompute_with_pp") and rc == "auto":
             rc = "none"
@@ -404,8 +409,9 @@ class _Search:
                 return None
             rc = "none"
         try:
-            return self.model.evaluate(c, self.limit, pins=self.split_pins if pins is None else pins, recompute=rc,
-                                       minimise=minimise, cutoff=cutoff, memory_only=memory_only)
+            return (model or self.model).evaluate(c, self.limit, pins=self.split_pins if pins is None else pins,
+                                                  recompute=rc, minimise=minimise, cutoff=cutoff,
+                                                  memory_only=memory_only)
         except ValueError as e:
             self.notes.append(f"{c.label()}: {e}")
             return None
@@ -444,6 +450,28 @@ class _Search:
                             break
                     if improved or budget <= 0:
                         break
+            out.append(cur)
+        return sorted(out, key=lambda e: (e.step_s, e.candidate))
+
+    def _polish_buckets(self, best: list[Evaluation]) -> list[Evaluation]:
+        """The gradient bucket size of the top plans with ZeRO 0-2 over more than one replica
+        (unless pinned): each costed again, with its split, at every size of `BUCKET_MB`; the
+        fastest that fits is kept. Many small buckets pay a collective's latency each (a ring's
+        steps over many nodes), few large ones start late and leave more exposed."""
+        if "bucket_mb" in self.pins:
+            return best
+        out = []
+        for ev in best:
+            cur, c = ev, ev.candidate
+            if c.replicas > 1 and c.zero < 3:
+                for mb in BUCKET_MB:
+                    if mb == self.model.bucket_mb:
+                        continue
+                    model = self._bucket_models.get(mb) or self._bucket_models.setdefault(mb, self.model.with_buckets(mb))
+                    alt = self._evaluate(c, pins=list(cur.split_points), model=model)
+                    if alt is not None and alt.feasible and alt.step_s < cur.step_s * (1 - 1e-9):
+                        cur = alt
+                        cur.bucket_mb = mb
             out.append(cur)
         return sorted(out, key=lambda e: (e.step_s, e.candidate))
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx as fx
 
-from autopar.cost import load_profile
+from autopar.cost import GraphCost, load_profile
 from autopar.cost.memory import CROSS_ENTROPY, LossModel
 from autopar.cost.comm import axis_links, collective_time
 from autopar.passes.split_pipeline import brief_names
