@@ -37,6 +37,7 @@ search over thousands of candidates on a 70B graph costs seconds:
                    Buffers tp-local, the step's temporary without Adam's step scalars, each
                    parameter's gradient in backward (`param_grad`): as cost.estimate counts.
   one stage        `search.plan_rank.RankTables` (inherited): pp = 1 as cost.estimate prices it.
+  offload          `search.plan_offload.OffloadTables` (inherited): the host copies and CPU step.
   per mesh         the axes' links (`search.plan_context`: `cost.comm.axis_links`, times and
                    bytes memoised per payload, dp joined with cp).
 
@@ -68,7 +69,6 @@ from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident,
                                  padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
-from autopar.cost.optimizer_step import offload_step_seconds
 from autopar.cost.placements import Placement, conversion_bytes, conversion_time
 from autopar.cost.zero_comm import bucket_caps
 from autopar.passes.plan import torch_dtype
@@ -77,6 +77,7 @@ from autopar.passes.split_pipeline import pipeline_units
 from autopar.search.candidate import Candidate
 from autopar.search.expert_detect import detect_moe
 from autopar.search.plan_context import ContextTables
+from autopar.search.plan_offload import OffloadTables
 from autopar.search.plan_rank import RankTables
 from autopar.search.plan_selective import BLOCK_UNIT
 from autopar.search.shard_tables import ShardInfo, shard_info
@@ -139,7 +140,7 @@ class UnitStates:
         return hit
 
 
-class PlanTables(ContextTables, RankTables):
+class PlanTables(ContextTables, RankTables, OffloadTables):
     """The per-graph tables of `plan_cost.PlanCostModel` (see the module docstring), each
     computed on first use and cached. The constructor is the model's: its arguments are
     documented on `PlanCostModel`."""
@@ -563,7 +564,7 @@ class PlanTables(ContextTables, RankTables):
         self._states[key] = out
         return out
 
-    # ------------------------------------------------------------------ offload
+    # ------------------------------------------------------------------ states' helpers
     @property
     def trainable(self) -> bool:
         return any(p.requires_grad and not p.is_buffer for p in self.gc.params)
@@ -584,26 +585,3 @@ class PlanTables(ContextTables, RankTables):
         assert other.gm is self.gm and other.world == self.world and other.compute_dtype == self.compute_dtype \
             and other.loss_parallel == self.loss_parallel
         self._shard, self._units, self._links, self._scheds = other._shard, other._units, other._links, other._scheds
-
-    def offload_seconds(self, plan) -> tuple[float, float]:
-        """(host<->device copies, CPU step) seconds per step of a planned `plan` (the busiest
-        pipeline rank's share taken as 1/pp of the whole)."""
-        mesh = plan.mesh
-        st = self.states(mesh.get("tp", 1), plan.zero_stage, mesh.get("dp", 1), mesh.get("ep", 1))
-        return self._offload_parts(*self._offload_totals(st, mesh.get("pp", 1)), plan.zero_stage)
-
-    def _offload_totals(self, st: UnitStates, div: float = 1.0) -> tuple[float, float]:
-        """(elements the CPU steps, master + optimizer bytes on the host) over every unit, / div."""
-        if st.offload_elems is None:
-            return 0.0, 0.0
-        return float(st.offload_elems.sum()) / div, float(st.offload_mo.sum()) / div
-
-    def _offload_parts(self, elems: float, host_mo: float, zero_stage: int) -> tuple[float, float]:
-        """(host<->device copies, CPU step) seconds of an offloaded step over `elems` elements."""
-        trained = [p for p in self.gc.params if p.requires_grad and not p.is_buffer]
-        p_item = max(((self.param_dtype or p.dtype).itemsize for p in trained), default=4)
-        g_item = self.reduce_dtype.itemsize if self.reduce_dtype is not None else p_item
-        master = torch_dtype(self.precision.get("master_dtype"))
-        m_item = master.itemsize if master is not None else max((p.dtype.itemsize for p in trained), default=4)
-        return offload_step_seconds(elems, host_mo, g_item, m_item, self.hw.host_bandwidth,
-                                    self.hw.host_memory_bandwidth, zero_stage=zero_stage)
