@@ -95,7 +95,7 @@ from autopar.cost.overlap import contention_of
 from autopar.cost.pipeline_time import simulate_ranks, stretch_stage_times, zero3_tail
 from autopar.cost.schedule import fuse_backward, held_peaks, small_schedule
 from autopar.search.candidate import Candidate, Evaluation
-from autopar.search.plan_comm import buckets, dp_sync, stage_payloads, zero3_exposed
+from autopar.search.plan_comm import dp_sync, stage_payloads, zero3_exposed
 from autopar.search.plan_comm_report import comm_report
 from autopar.search.plan_pipeline_memory import grads_of, pipeline_rank_peaks, stage_recompute_seconds
 from autopar.search.plan_pipeline_time import stage_node_shift, zero3_stage_times
@@ -313,8 +313,10 @@ class PlanCostModel(PlanTables):
         return ev
 
     def _evaluate(self, c: Candidate, limit: float, flavor: str, *, pins: Sequence[str], recompute: Any, minimise: str,
-                  cutoff: float | None, memory_only: bool, walk_retry: bool) -> Evaluation:
-        """`evaluate` with the blocks it recomputes recomputed `flavor` ("full" or "selective")."""
+                  cutoff: float | None, memory_only: bool, walk_retry: bool, walk_limit: float | None = None
+                  ) -> Evaluation:
+        """`evaluate` with the blocks it recomputes recomputed `flavor` ("full" or "selective");
+        `walk_limit`: what the walked peaks must fit when a retry lowered `limit` (the walk is the truth)."""
         rows = self.rows_per_micro(c)
         if rows is None or rows < 1:
             raise ValueError(f"{c.label()}: the global batch of {self.global_batch} rows does not divide by "
@@ -501,7 +503,8 @@ class PlanCostModel(PlanTables):
             if walk_retry and recompute != "none" and unit_fits and max(walked) > limit * (1 + 1e-9):
                 # the per-unit model fits (with its recompute), the walk is over: recompute what the walk adds
                 ev = self._evaluate(c, limit - (max(walked) - max(rank_peaks)), flavor, pins=pins, recompute=recompute,
-                                    minimise=minimise, cutoff=cutoff, memory_only=memory_only, walk_retry=False)
+                                    minimise=minimise, cutoff=cutoff, memory_only=memory_only, walk_retry=False,
+                                    walk_limit=limit)
                 return dataclasses.replace(ev, limit_bytes=limit, memory={**ev.memory, "limit": limit})
             rank_peaks = walked
         full = int(np.argmax(rank_peaks))
@@ -516,7 +519,7 @@ class PlanCostModel(PlanTables):
         if memory_only:  # the memory a candidate needs (the planner's report): no schedule simulation
             return Evaluation(step_s=INF, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0, comm={},
                               flops=0.0, mfu=0.0, tokens_per_s=0.0, notes=["memory only: not timed"], **common)
-        if max(rank_peaks) > limit * (1 + 1e-9) and minimise == "time":
+        if max(rank_peaks) > (walk_limit or limit) * (1 + 1e-9) and minimise == "time":
             return Evaluation(step_s=INF, compute_s=0.0, bubble=0.0, recompute_s=0.0, optimizer_s=0.0, comm={},
                               flops=0.0, mfu=0.0, tokens_per_s=0.0, notes=["over the memory limit"], **common)
         # time: the schedule, then per rank data-parallel sync, the optimizer step
@@ -595,6 +598,3 @@ class PlanCostModel(PlanTables):
         """Unit index -> mode of the units pinned to be recomputed."""
         on = self._recompute_pins(recompute) or {}
         return {x: recompute[self.unit_names[x]] for x, v in on.items() if v}
-
-
-_buckets = buckets  # the name tests/unit/test_planner_moe_scale.py imports

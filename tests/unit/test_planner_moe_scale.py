@@ -1,6 +1,6 @@
 """Fixes found by real-size MoE planning (benchmarks/bench_moe_scale.py).
 
-* Speed: gradient buckets grouped in runs of equal buckets (`plan_cost._buckets`) are the same
+* Speed: gradient buckets grouped in runs of equal buckets (`plan_comm.buckets`) are the same
   buckets as those formed one at a time (the data-parallel sync is priced from them).
 * Memory: the gradient of a view of a parameter (the transposed expert weights that a grouped
   matmul reads) is the parameter's gradient, not one more buffer: the liveness walk's peak of
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from autopar.search.plan_cost import _buckets
+from autopar.search.plan_comm import buckets as _buckets
 
 sys.path.insert(0, os.path.dirname(__file__))
 
