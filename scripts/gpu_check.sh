@@ -31,10 +31,11 @@ done
 python3 scripts/gpu_check.py ${args[@]+"${args[@]}"}
 rc=$?
 # then where the step's time goes, by kind of work, predicted against profiled (eager and the
-# bf16-mixed autopar step of the same 1.1 B GPT): scripts/gpu_profile.py --by-kind, beside the table
+# bf16-mixed autopar step of the same 1.1 B GPT), after a 3 s GEMM loop (burst against sustained
+# TFLOP/s, clock, power): scripts/gpu_profile.py --by-kind --sustained 3, beside the table
 if [[ $dry == 0 && ",$skip," != *",profile,"* ]]; then
     dir="$(dirname "${out:-${OUT:-out}/gpu_check.txt}")"
-    python3 scripts/gpu_profile.py --only eager,mixed --by-kind --steps 3 --out "$dir" || {
+    python3 scripts/gpu_profile.py --only eager,mixed --by-kind --sustained 3 --steps 3 --out "$dir" || {
         echo "gpu_check: scripts/gpu_profile.py --by-kind failed" >&2
         rc=1
     }

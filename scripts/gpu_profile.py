@@ -7,9 +7,12 @@ variant, the top operators by self device time and by self CPU time to OUT/profi
 With --by-kind each variant also gets the cost model's step split by kind of work (GEMMs,
 attention, other ops, optimizer, outside ops) against the profiled one (autopar.tools.op_kinds):
 where the prediction is short, by kind. Predicted with the h100-sxm profile (--profile).
+With --sustained S it first runs an 8192^3 bf16 GEMM loop for S seconds and prints its TFLOP/s over
+the first 20 calls (what the compute tables are fitted from) against after S seconds, with the SM
+clock and power (`sustained_gemm`): whether a GPU at its power limit slows under training's load.
 
     python scripts/gpu_profile.py [--only eager,pure,mixed,recompute,offload] [--out DIR] [--launch] [--sync-debug]
-                                  [--by-kind] [--profile NAME]
+                                  [--by-kind] [--profile NAME] [--sustained SECONDS]
 """
 from __future__ import annotations
 
@@ -134,6 +137,50 @@ def predicted_estimate(name: str, model, pm, example, profile: str):
     return estimate(pm.global_graph, pm.plan, profile, batch_is_global=True)
 
 
+def sustained_gemm(device: str = "cuda", n: int = 8192, seconds: float = 3.0, dtype=torch.bfloat16) -> dict:
+    """Throughput of back-to-back n^3 GEMMs at first and once the device has run them for
+    `seconds`: the compute tables are fitted from short bursts (20 calls), a training step runs
+    for minutes, and a GPU at its power limit lowers its clock under sustained load. Four input
+    pairs in rotation (not one pair the cache keeps). Returns {"burst_tflops", "sustained_tflops",
+    "ratio", "windows": [(seconds since start, TFLOP/s)], "clock_mhz": (at start, at end) or None,
+    "power_w": likewise}: the figures a sustained-clock correction of the tables would rest on."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    pairs = [(torch.randn(n, n, device=device, dtype=dtype, generator=gen),
+              torch.randn(n, n, device=device, dtype=dtype, generator=gen)) for _ in range(4)]
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    probe = (lambda f: f()) if device == "cuda" else (lambda f: None)
+
+    def reading():
+        try:
+            return probe(torch.cuda.clock_rate), probe(torch.cuda.power_draw)
+        except Exception:  # noqa: BLE001 - NVML may be unavailable: the throughput stands alone
+            return None, None
+
+    def window(calls: int) -> float:
+        sync()
+        t = time.perf_counter()
+        for i in range(calls):
+            a, b = pairs[i % 4]
+            torch.mm(a, b, out=out)
+        sync()
+        return 2.0 * n**3 * calls / (time.perf_counter() - t) / 1e12
+
+    window(3)  # warm: handles, the first launch
+    clock0, power0 = reading()
+    burst = window(20)
+    windows, t0 = [], time.perf_counter()
+    per = max(1, int(0.05 * burst * 1e12 / (2.0 * n**3)))  # calls in ~50 ms
+    while time.perf_counter() - t0 < seconds:
+        windows.append((time.perf_counter() - t0, window(per)))
+    clock1, power1 = reading()
+    tail = [r for t, r in windows if t >= 0.75 * seconds] or [windows[-1][1]]
+    sustained = statistics.median(tail)
+    return {"burst_tflops": burst, "sustained_tflops": sustained, "ratio": sustained / burst, "windows": windows,
+            "clock_mhz": (clock0, clock1) if clock0 is not None else None,
+            "power_w": (power0 / 1e3, power1 / 1e3) if power0 is not None else None}
+
+
 def run(name: str, out: Path, steps: int, sync_debug: bool = False, by_kind: str | None = None) -> str:
     import autopar
     from autopar.models.gpt import loss_fn
@@ -210,6 +257,8 @@ def main() -> int:
     p.add_argument("--sync-debug", action="store_true", help="list where one step synchronises host and device")
     p.add_argument("--by-kind", action="store_true", help="the step by kind of work, predicted against measured")
     p.add_argument("--profile", default="h100-sxm", help="the hardware profile --by-kind predicts with")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                   help="first, an 8192^3 bf16 GEMM loop for S seconds: burst against sustained TFLOP/s, clock, power")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +274,11 @@ def main() -> int:
             lines = launch_costs()
         except Exception as e:  # the variants below still run
             lines = [f"# launch costs: FAILED {type(e).__name__}: {e}"]
+    if a.sustained > 0:
+        r = sustained_gemm("cuda", 8192, a.sustained)
+        lines.append(f"# sustained GEMM 8192^3 bf16: {r['burst_tflops']:.0f} TFLOP/s over the first 20 calls, "
+                     f"{r['sustained_tflops']:.0f} after {a.sustained:g} s (ratio {r['ratio']:.3f}); SM clock MHz "
+                     f"{r['clock_mhz']}, power W {r['power_w']}")
     print("\n".join(lines), flush=True)
     for name in [n for n in a.only.split(",") if n]:
         try:
