@@ -100,3 +100,25 @@ def test_an_idle_optimizer_and_a_step_without_attention_measure_zero_there():
         assert "steps" in str(e)
     else:
         raise AssertionError("steps=0 was accepted")
+
+
+def test_on_a_gpu_kernels_no_aten_op_claims_count_as_other():
+    """The CUDA branch, on events shaped as torch.profiler gives them: an aten op with its kernel's
+    self device time, that kernel as a device event, and a Triton kernel launched from Python
+    (no aten op above it): the kinds sum to the kernels' time, the orphan in "other"."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    def ev(name, dev, us, self_dev=0.0, parent=None):
+        return NS(name=name, device_type=dev, time_range=NS(elapsed_us=lambda: us), self_device_time_total=self_dev,
+                  self_cpu_time_total=5.0, cpu_parent=parent)
+
+    opt = ev(K.OPTIMIZER_RANGE, DeviceType.CPU, 0.0)
+    events = [ev("aten::mm", DeviceType.CPU, 12.0, self_dev=100.0), ev("sm90_xmma_gemm", DeviceType.CUDA, 100.0),
+              ev("_rms_norm_fwd_kernel", DeviceType.CUDA, 30.0),  # Triton, launched from Python
+              ev("aten::_fused_adamw_", DeviceType.CPU, 3.0, self_dev=40.0, parent=opt),
+              ev("multi_tensor_apply_kernel", DeviceType.CUDA, 40.0), opt]
+    got = K.measured_kinds(events, 1, "cuda")
+    assert got == {"matmul": 100e-6, "attention": 0.0, "other": 30e-6, "optimizer": 40e-6}
+    assert K.measured_kinds(events, 1, "cpu")["other"] == 0.0  # on the CPU the ops' CPU time, no kernels
