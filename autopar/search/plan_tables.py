@@ -50,7 +50,6 @@ only on its key and the constructor's arguments); the working set is never an un
 from __future__ import annotations
 
 import copy
-
 import math
 import re
 from dataclasses import dataclass
@@ -564,7 +563,7 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
         self._states[key] = out
         return out
 
-    # ------------------------------------------------------------------ states' helpers
+    # ------------------------------------------------------------------ copies and sharing
     @property
     def trainable(self) -> bool:
         return any(p.requires_grad and not p.is_buffer for p in self.gc.params)
