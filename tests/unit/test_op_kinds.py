@@ -122,3 +122,30 @@ def test_on_a_gpu_kernels_no_aten_op_claims_count_as_other():
     got = K.measured_kinds(events, 1, "cuda")
     assert got == {"matmul": 100e-6, "attention": 0.0, "other": 30e-6, "optimizer": 40e-6}
     assert K.measured_kinds(events, 1, "cpu")["other"] == 0.0  # on the CPU the ops' CPU time, no kernels
+
+
+def test_an_autopar_step_splits_the_same_way():
+    """What scripts/gpu_profile.py --by-kind does for an autopar variant, at world 1 on the CPU:
+    the engine's optimizer step inside the range lands in "optimizer", and the plan's estimate
+    (its global graph, as build/predict.py costs it) splits its compute by kind."""
+    import autopar
+    from autopar.cost import estimate
+
+    spec, model, x, y = _tiny()
+    pm = autopar.parallelize(model, autopar.mesh(dp=1), example_inputs=x, precision="bf16-mixed")
+    opt = autopar.optimizer(pm, torch.optim.AdamW, lr=1e-3)
+
+    def fwd_bwd():
+        pm.step(((x,), y), spec.loss_fn)
+
+    def opt_step():
+        opt.step()
+        opt.zero_grad()
+
+    fwd_bwd(), opt_step()
+    kinds, wall = K.profile_kinds(fwd_bwd, opt_step, steps=1, timed=1)
+    assert wall > 0 and kinds["matmul"] > 0 and kinds["optimizer"] > 0 and kinds["other"] > 0
+    est = estimate(pm.global_graph, pm.plan, "cpu-gloo", batch_is_global=True)
+    pred = K.predicted_kinds(est)
+    assert pred["optimizer"] == est.optimizer_s > 0 and pred["matmul"] > 0
+    assert math.isclose(sum(est.compute_by_kind.values()), est.fwd_s + est.bwd_s, rel_tol=1e-9)
