@@ -66,7 +66,8 @@ Rows and sources (the figures are copied from these; nothing is estimated here):
   (the same table as shown at SC'24, quoted at glennklockwood.com/garden/llama-3.1). 16M tokens =
   2,048 sequences of 8,192 (batch/DP 32 and 16, micro-batch 1) or 128 of 131,072.
   The published figure is TFLOP/s per GPU in the paper's own FLOP count, the MFU of Chowdhery et
-  al. (PaLM): `source_flops_per_token` (6 N + 12 L H Q T); the predicted step is converted to the
+  al. (PaLM; that the paper cites it is recalled, not re-checked with this session's tools):
+  `source_flops_per_token` (6 N + 12 L H Q T); the predicted step is converted to the
   same count (tokens/s per GPU x that count), so the error is the step-time error inverted. Until
   2026-11-27 the rows compared MFUs of two FLOP counts (the cost model's FlopCounterMode count,
   +1.4 % at 8,192 tokens and +9.6 % at 131,072 over PaLM's): +17.1 %, +2.9 %, +20.8 %.
