@@ -314,25 +314,29 @@ def source_flops_per_token(row: Row) -> float:
 
     if row.model[0] != "spec":
         raise ValueError(f"{row.key}: a source FLOP count needs a registry model, got {row.model!r}")
-    if row.model[1] not in _MATMUL_PARAMS:
-        with torch.device("meta"):
-            model = get(row.model[1]).build()
-        _MATMUL_PARAMS[row.model[1]] = sum(p.numel() for p in model.parameters()) - model.tok_emb.weight.numel()
     cfg = get(row.model[1]).config
-    return 6.0 * _MATMUL_PARAMS[row.model[1]] + 12.0 * cfg.n_layers * cfg.dim * row.seq  # H Q = dim
-
-
-_MATMUL_PARAMS: dict[str, int] = {}  # registry name -> parameters but the input embedding
+    return 6.0 * _counts(row.model[1])[0] + 12.0 * cfg.n_layers * cfg.dim * row.seq  # H Q = dim
 
 
 def block_bucket_mb(row: Row) -> float:
-    """MiB of one transformer block's parameters on a rank (its tp shard, in the model's dtype):
-    the data-parallel payload of one FSDP unit, for a row with `fsdp_block_buckets`."""
+    """MiB of one transformer block's parameters on a rank (its tp shard, in bf16): the
+    data-parallel payload of one FSDP unit, for a row with `fsdp_block_buckets`."""
+    return _counts(row.model[1])[1] * 2 / row.pins.get("tp", 1) / 2**20
+
+
+_COUNTS: dict[str, tuple[int, int]] = {}  # registry name -> (parameters but the input embedding, one block's)
+
+
+def _counts(name: str) -> tuple[int, int]:
+    """The registry model's parameter counts, from one build on meta (a 405B build takes a second)."""
     from autopar.models import get
 
-    with torch.device("meta"):
-        block = get(row.model[1]).build().to(torch.bfloat16).layers[0]
-    return sum(p.numel() * p.element_size() for p in block.parameters()) / row.pins.get("tp", 1) / 2**20
+    if name not in _COUNTS:
+        with torch.device("meta"):
+            model = get(name).build()
+        _COUNTS[name] = (sum(p.numel() for p in model.parameters()) - model.tok_emb.weight.numel(),
+                         sum(p.numel() for p in model.layers[0].parameters()))
+    return _COUNTS[name]
 
 
 def figure(row: Row, predicted: dict) -> float:

@@ -124,7 +124,7 @@ def launch_costs() -> list[str]:
     return out
 
 
-def predicted_estimate(name: str, model, pm, example, profile: str):
+def predicted_estimate(model, pm, example, profile: str):
     """The cost model's estimate of the variant's step: the eager model captured and costed as
     one rank with no masters (torch's AdamW over its bf16 parameters); an autopar variant's
     global graph under its plan, as build/predict.py costs it."""
@@ -236,7 +236,7 @@ def run(name: str, out: Path, steps: int, sync_debug: bool = False, by_kind: str
             + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
     kinds = ""
     if by_kind:
-        est = predicted_estimate(name, model, pm, data[0][0][0], by_kind)
+        est = predicted_estimate(model, pm, data[0][0][0], by_kind)
         rows = op_kinds.kind_rows(op_kinds.predicted_kinds(est), est.step_s,
                                   op_kinds.measured_kinds(prof.events(), 2, "cuda"), fb + op)
         kinds = (f"\n# {name} by kind of work, predicted ({by_kind}) against measured (self device time of two "
