@@ -3,7 +3,8 @@
 For the ~1.1 B GPT of scripts/gpu_check.py (bf16, batch 4 x 2048), each variant is timed in
 two phases (forward + backward, then the optimizer step, each between synchronisations) and
 profiled for two steps with torch.profiler. It prints one line per variant and writes, per
-variant, the top operators by self device time and by self CPU time to OUT/profile_<name>.txt.
+variant, the top operators by self device time, by self CPU time and by input shape to
+OUT/profile_<name>.txt.
 With --by-kind each variant also gets the cost model's step split by kind of work (GEMMs,
 attention, other ops, optimizer, outside ops) against the profiled one (autopar.tools.op_kinds):
 where the prediction is short, by kind. Predicted with the h100-sxm profile (--profile).
@@ -223,7 +224,7 @@ def run(name: str, out: Path, steps: int, sync_debug: bool = False, by_kind: str
     torch.cuda.reset_peak_memory_stats()
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(2):
             fwd_bwd()
             with record_function(op_kinds.OPTIMIZER_RANGE):
@@ -233,7 +234,10 @@ def run(name: str, out: Path, steps: int, sync_debug: bool = False, by_kind: str
     ka = prof.key_averages()
     text = (f"# {name}: fwd+bwd {fb * 1e3:.1f} ms, optimizer {op * 1e3:.1f} ms, peak {peak:.1f} GiB{extra}\n\n"
             + ka.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
-            + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+            + "\n\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+            + "\n\n# by input shape (two steps): which GEMM and attention shapes the device time goes to\n"
+            + prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=40,
+                                                                 max_name_column_width=40, max_shapes_column_width=90))
     kinds = ""
     if by_kind:
         est = predicted_estimate(model, pm, data[0][0][0], by_kind)
