@@ -45,23 +45,23 @@ def ramp(a, b, out, seconds: float) -> list[tuple[float, float, float | None, fl
     return rows
 
 
-def duty_run(a, b, out, x, y, z, duty: float, seconds: float) -> dict:
-    """Interleave one GEMM with k memory-bound adds so that GEMMs take ~`duty` of the time."""
-    n = a.shape[0]
+def _seconds_each(fn, calls: int = 5) -> float:
+    """Device seconds per call of `fn` over `calls` back-to-back calls (CUDA events)."""
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
-    for _ in range(5):
-        torch.add(x, y, out=z)
+    for _ in range(calls):
+        fn()
     e1.record()
     torch.cuda.synchronize()
-    fill_s = e0.elapsed_time(e1) / 5e3
-    e0.record()
-    for _ in range(5):
-        torch.mm(a, b, out=out)
-    e1.record()
-    torch.cuda.synchronize()
-    gemm_s = e0.elapsed_time(e1) / 5e3
+    return e0.elapsed_time(e1) / 1e3 / calls
+
+
+def duty_run(a, b, out, x, y, z, duty: float, seconds: float) -> dict:
+    """Interleave one GEMM with k memory-bound adds so that GEMMs take ~`duty` of the time."""
+    n = a.shape[0]
+    fill_s = _seconds_each(lambda: torch.add(x, y, out=z))
+    gemm_s = _seconds_each(lambda: torch.mm(a, b, out=out))
     k = 0 if duty >= 1.0 else max(1, round(gemm_s * (1.0 - duty) / duty / fill_s))
     pairs, t0 = [], time.perf_counter()
     cycles = 0

@@ -9,7 +9,8 @@ a 8192 x 8192 one. A profile's optional "compute" section replaces it by shape:
         {"dtype": ["bf16", "fp16"], "shape": [m, n, k], "efficiency": 0.72}, ...]},
     "attention": {"dtype": ["bf16", "fp16"], "rows": [
         {"seq": 2048, "head_dim": 128, "causal": true, "efficiency": 0.40, "bwd_efficiency": 0.33}, ...]},
-    "floor_s": {"matmul": 5e-6, "attention": 8e-6, "vector": 2e-6}
+    "floor_s": {"matmul": 5e-6, "attention": 8e-6, "vector": 2e-6},
+    "power": {"rows": [[0.77, 1.0], [1.0, 0.861]]}
   }
 
 Matmul: a row is one measured (or published) GEMM shape. A GEMM of FLOPs f = 2mnk takes the
@@ -31,6 +32,16 @@ names use it (fused attention runs in 16-bit); others take the flat factor.
 
 floor_s: the shortest time a kernel of that kind takes on the device (launch latency, tail
 of one wave); a node's time is max(roofline, floor) + the profile's kernel_overhead_s.
+
+power: throughput under sustained load. The rows above are bursts; a GPU at its power limit
+lowers its clock once GEMMs keep its tensor cores busy (an H100 SXM at 700 W: 8192^3 bf16 GEMMs
+alone fall from 789 to 671 TFLOP/s within a second, the SM clock from 1980 to about 1350 MHz).
+How far depends on the GEMM duty of the work: the share of a step's device compute in GEMMs and
+attention (`cost.power.graph_duty`: the graph's matmul and attention node seconds over all its
+node seconds, at burst rates). Rows are (duty, ratio): the sustained / burst throughput of
+GEMMs and attention at that duty, interpolated linearly, clamped; no rows: 1 (bursts hold).
+`cost.power.sustained` applies the ratio to a Hardware (`Hardware.power_ratio`, a factor on
+`matmul_eff` and `attention_eff`) for the graph being costed.
 
 `refit_matmul` / `refit_attention` / `with_floor` are what `autopar tune` applies: measured
 rows replace the rows of the same shape, and every other row of the dtype is scaled by the
@@ -82,6 +93,7 @@ class ComputeTable:
     attention_dtypes: tuple[str, ...] = ("bf16", "fp16")
     floor_s: Mapping[str, float] = field(default_factory=dict)
     sources: tuple[str, ...] = ()
+    power: tuple[tuple[float, float], ...] = ()  # (GEMM duty, sustained / burst throughput), sorted by duty
 
     # ---------------------------------------------------------------- lookups
     def matmul_dtypes(self) -> set[str]:
@@ -115,6 +127,11 @@ class ComputeTable:
     def floor(self, kind: str) -> float:
         return float(self.floor_s.get(kind, 0.0))
 
+    def sustained_ratio(self, duty: float) -> float:
+        """Sustained / burst throughput of GEMMs and attention when they take `duty` of the
+        device's compute time (the power rows, interpolated, clamped); 1 without rows."""
+        return _interp(float(duty), list(self.power)) if self.power else 1.0
+
     # ---------------------------------------------------------------- edits
     def without(self, kind: str) -> "ComputeTable":
         """The table with its `kind` ("matmul" / "attention") rows dropped (a flat factor rules)."""
@@ -136,6 +153,8 @@ class ComputeTable:
                 {"seq": r.seq, "head_dim": r.head_dim, "causal": r.causal, "efficiency": r.efficiency,
                  "bwd_efficiency": r.bwd_efficiency} for r in self.attention]}
         out["floor_s"] = dict(self.floor_s)
+        if self.power:
+            out["power"] = {"rows": [list(r) for r in self.power]}
         return out
 
 
@@ -180,9 +199,10 @@ def table_from_dict(d: Mapping[str, Any], profile: str = "?") -> ComputeTable:
     where = f"profile {profile!r} compute"
     if not isinstance(d, Mapping):
         raise ValueError(f"{where} must be an object with matmul / attention / floor_s / sources, got {d!r}")
-    unknown = set(d) - {"matmul", "attention", "floor_s", "sources", "note"}
+    unknown = set(d) - {"matmul", "attention", "floor_s", "sources", "note", "power"}
     if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: matmul, attention, floor_s, sources")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known: matmul, attention, floor_s, power, "
+                         "sources")
     mm = d.get("matmul") or {}
     knee = mm.get("knee", 128)
     if not isinstance(knee, int) or knee < 1:
@@ -226,10 +246,27 @@ def table_from_dict(d: Mapping[str, Any], profile: str = "?") -> ComputeTable:
     sources = d.get("sources", [])
     if isinstance(sources, str):
         sources = [sources]
+    power = _power_rows(d.get("power"), f"{where}.power")
     return ComputeTable(
         matmul=tuple(sorted(gemm, key=lambda g: (g.dtype, g.flops))), knee=knee, attention=tuple(att_rows),
         attention_dtypes=_dtypes(att.get("dtype", ["bf16", "fp16"]), f"{where}.attention"),
-        floor_s={k: float(v) for k, v in floor.items()}, sources=tuple(str(s) for s in sources))
+        floor_s={k: float(v) for k, v in floor.items()}, sources=tuple(str(s) for s in sources), power=power)
+
+
+def _power_rows(d: Any, where: str) -> tuple[tuple[float, float], ...]:
+    if d is None:
+        return ()
+    rows = d.get("rows") if isinstance(d, Mapping) else None
+    ok = isinstance(rows, (list, tuple)) and rows and all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(v, (int, float)) for v in r)
+        and 0 <= r[0] <= 1 and 0 < r[1] <= 1 for r in rows)
+    if not ok:
+        raise ValueError(f"{where} must be {{\"rows\": [[duty, ratio], ...]}}: duty (the GEMM share of compute) in "
+                         f"[0, 1], ratio (sustained / burst throughput) in (0, 1], at least one row; got {d!r}")
+    duties = [float(r[0]) for r in rows]
+    if len(set(duties)) != len(duties):
+        raise ValueError(f"{where}: repeated duties {sorted(duties)}; keep one row per duty")
+    return tuple(sorted((float(r[0]), float(r[1])) for r in rows))
 
 
 # -------------------------------------------------------------------- refits (autopar tune)

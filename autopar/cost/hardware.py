@@ -128,6 +128,9 @@ class Hardware:
     # compute slowdown while a collective overlaps it, per link kind: compute time x (1 + k)
     # over the overlapped interval (the profile's optional "contention" section; 0: none)
     contention: Mapping[str, float] = field(default_factory=lambda: {k: 0.0 for k in CONTENTION_KEYS})
+    # sustained / burst throughput of GEMMs and attention for the work being costed (the compute
+    # table's power rows at its GEMM duty, `cost.power.sustained`); 1: bursts, as the tables
+    power_ratio: float = 1.0
 
     @property
     def world_size(self) -> int:
@@ -154,8 +157,8 @@ class Hardware:
             # an fp32 GEMM runs at the peak (and so the rows) fp32_matmul names: fp32 or tf32
             e = self.compute.matmul_efficiency(self.fp32_matmul if dtype_name == "fp32" else dtype_name, m, n, k)
             if e is not None:
-                return e
-        return self.efficiency["matmul"]
+                return e * self.power_ratio
+        return self.efficiency["matmul"] * self.power_ratio
 
     def attention_eff(self, dtype_name: str, seq: float | None = None, head_dim: float | None = None,
                       causal: bool = False, backward: bool = False) -> float:
@@ -164,8 +167,8 @@ class Hardware:
         if self.compute is not None and seq is not None:
             e = self.compute.attention_efficiency(dtype_name, seq, head_dim or 64, causal, backward)
             if e is not None:
-                return e
-        return self.efficiency["attention"]
+                return e * self.power_ratio
+        return self.efficiency["attention"] * self.power_ratio
 
     def contention_for(self, inter_node: bool) -> float:
         """The compute slowdown k (compute runs 1 + k times slower) while a collective on the
@@ -186,6 +189,13 @@ class Hardware:
     def with_compute(self, table: ComputeTable | None) -> "Hardware":
         """A copy with the compute table replaced (what `autopar tune` writes)."""
         return replace(self, compute=table, calibration={**self.calibration, "source": "calibrated"})
+
+    def with_power_ratio(self, ratio: float) -> "Hardware":
+        """A copy whose GEMMs and attention run at `ratio` x their burst throughput (sustained
+        load at the power limit: `cost.power.sustained`)."""
+        if not 0 < ratio <= 1:
+            raise ValueError(f"power_ratio must be in (0, 1], got {ratio!r}")
+        return replace(self, power_ratio=float(ratio))
 
     def with_nodes(self, nodes: int) -> "Hardware":
         """The same hardware with a different node count (e.g. 64 nodes of 8 = 512 GPUs)."""

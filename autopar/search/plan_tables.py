@@ -68,6 +68,7 @@ from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident,
                                  padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
 from autopar.cost.node_time import NodeTimer
+from autopar.cost.power import sustained
 from autopar.cost.placements import Placement, conversion_bytes, conversion_time
 from autopar.cost.zero_comm import bucket_caps
 from autopar.passes.plan import torch_dtype
@@ -175,6 +176,7 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
         dtypes = [n.cost.dtype for n in self.gc.nodes if n.cost.kind in ("matmul", "attention")]
         # the compute dtype: the plan's param_dtype (the engine casts the model to it), else as captured
         self.compute_dtype = self.precision.get("param_dtype")
+        self.hw = sustained(self.hw, self.gc, self.compute_dtype)  # as cost.estimate: the graph's GEMM duty
         self.main_dtype = self.compute_dtype or (max(set(dtypes), key=dtypes.count) if dtypes else "fp32")
         self._shard: dict[int, ShardInfo] = {}
         self._units: dict[tuple, UnitCosts] = {}
