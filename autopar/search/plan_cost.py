@@ -541,8 +541,8 @@ class PlanCostModel(PlanTables):
                 rsync = self.rank_sync(c, u, dp_link)
                 exposed, after, t_r, b_r = rsync.exposed, rsync.after, rsync.time_s, rsync.bytes_sent
             else:
-                exposed, after, t_r, b_r = dp_sync(mine, starts, ends, B_s, B_u, ends_r[r], st, dp_link, z, c,
-                                                   self.bucket_bytes, windows, pays)
+                exposed, after, t_r, b_r = dp_sync(self, u, mine, starts, ends, B_s, ends_r[r], st, dp_link, z, c,
+                                                   windows)  # per node, as cost.estimate (`plan_comm`)
             if r == 0:
                 dp_time, dp_bytes = t_r, b_r
             step = max(step, ends_r[r] + exposed + after + zero3_tail(mine, z3_s) + opt_r[r])

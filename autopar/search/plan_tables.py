@@ -122,6 +122,7 @@ class UnitStates:
     host_bytes: float = 0.0  # with offload: what this rank keeps in host memory
     param_grad: np.ndarray | None = None  # per parameter (gc.params order): its gradient in backward, masters' aside
     walk_grad: np.ndarray | None = None  # per unit, its own parameters' `param_grad` (the walk's gradients)
+    pay_of: dict[str, tuple[float, float]] | None = None  # per parameter: (its grad_payload, its gather) on this rank
 
     @property
     def master_grads(self) -> float:
@@ -530,12 +531,14 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
         shared: list[tuple[dict[str, float], np.ndarray]] = []
         total = {c: 0.0 for c in CATEGORIES}
         param_grad, walk_grad = np.zeros(len(self.gc.params)), np.zeros(L)
+        pay_of: dict[str, tuple[float, float]] = {}
         for i, (p, kind) in enumerate(zip(self.gc.params, kinds)):
             row, gp, ga, tmp, elems, mo, host, pg = per_kind[kind]
             if ep > 1 and p.name in self.slot_expert_params:  # whole experts: E / ep of them here
                 row = {c: v / ep for c, v in row.items()}
                 gp, ga, tmp, elems, mo, host, pg = gp / ep, ga / ep, tmp / ep, elems / ep, mo / ep, host / ep, pg / ep
             param_grad[i] = pg
+            pay_of[p.name] = (gp, ga)
             for c in CATEGORIES:
                 total[c] += row[c]
             host_total += host
@@ -561,7 +564,7 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
         out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total, param_grad,
-                         walk_grad)
+                         walk_grad, pay_of)
         self._states[key] = out
         return out
 

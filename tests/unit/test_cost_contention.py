@@ -83,8 +83,10 @@ def test_exposure_is_what_cannot_hide_behind_the_slowed_compute_by_hand():
 
 
 def test_planner_terms_by_hand():
-    """`plan_comm.zero3_exposed` and `plan_comm.dp_sync` on arrays whose times are their payloads."""
-    from autopar.search.plan_comm import dp_sync, zero3_exposed
+    """`plan_comm.zero3_exposed` and `cost.pipeline_time.dp_sync` (which `plan_comm.dp_sync` calls
+    on estimate's per-node pieces) on arrays whose times are their payloads."""
+    from autopar.cost.pipeline_time import dp_sync
+    from autopar.search.plan_comm import zero3_exposed
 
     def link(k):
         return SimpleNamespace(time=lambda op, x: float(x), bytes_sent=lambda op, x: float(x), contention=k)
@@ -97,11 +99,10 @@ def test_planner_terms_by_hand():
     # gradient sync: two units of 2 bytes (2 s each), buckets of 2; backward: unit 1 (1 s) then unit 0 (4 s).
     # k = 0: [1, 3] and [5, 7]: 2 s exposed. k = 0.25: unit 0's compute does 1.6 s of work under
     # the first bucket and ends at 5.4; the second bucket [5.4, 7.4] is exposed: 2 + 0.4
-    st = SimpleNamespace(gather=np.zeros(2), grad_payload=np.array([2.0, 2.0]))
-    c = SimpleNamespace(replicas=2, micro=1)
     B_u = np.array([4.0, 1.0])
     for k, want in ((0.0, 2.0), (0.25, 2.0 + 0.25 * 1.6)):
-        exposed, after, t, _b = dp_sync([0], [0], [2], [5.0], B_u, 5.0, st, link(k), 0, c, (2.0, 2.0))
+        exposed, after, t, _b = dp_sync([0], [0], [2], [5.0], B_u, 5.0, [2.0, 2.0], [0.0, 0.0], link(k), 0, 2, 1,
+                                        (2.0, 2.0))
         assert (exposed, after, t) == pytest.approx((want, 0.0, 4.0)), k
 
 
