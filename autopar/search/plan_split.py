@@ -60,15 +60,20 @@ class SplitChain:
         # gradients as backward makes them (`param_grad`), not the masters' (made at its end)
         self.PWS = self.PS + np.concatenate([z, np.cumsum(st.walk_grad - st.cat["grads"])])
         self.shared = st.shared
+        # parameters no node holds: the whole model's (one stage, units [0, L)), no pipeline stage's
+        self.whole = st.whole if st.whole and any(st.whole.values()) else None
         self.cross_in = np.concatenate([[0.0], cross, [0.0]])  # index i: bytes into unit i (i = 0 .. L)
         self.hop = np.concatenate([[0.0], hop, [0.0]])  # index i: p2p at the boundary before unit i
         self.fixed = fixed
         self.rc_pin = rc_pin
 
+    def _whole(self, i, j) -> bool:
+        return self.whole is not None and i == 0 and j == self.L
+
     def states_range(self, i: int, j: int) -> float:
         s = self.PS[j] - self.PS[i]
-        for row, cnt in self.shared:
-            if cnt[j] > cnt[i]:
+        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
+            if cnt is None or cnt[j] > cnt[i]:
                 s += sum(row[c] for c in CATEGORIES)
         return float(s)
 
@@ -76,23 +81,23 @@ class SplitChain:
         """`states_range` with the gradients the forward / backward walk holds in place of the
         "grads" category (the masters' gradients are made at the end of backward)."""
         s = self.PWS[j] - self.PWS[i]
-        for row, cnt in self.shared:
-            if cnt[j] > cnt[i]:
+        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
+            if cnt is None or cnt[j] > cnt[i]:
                 s += row["_walk"]
         return float(s)
 
     def categories(self, i: int, j: int) -> dict[str, float]:
         out = {k: float(p[j] - p[i]) for k, p in self.cat_prefix.items()}
-        for row, cnt in self.shared:
-            if cnt[j] > cnt[i]:
+        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
+            if cnt is None or cnt[j] > cnt[i]:
                 for c in CATEGORIES:
                     out[c] += row[c]
         return out
 
     def adam_range(self, i: int, j: int) -> float:
         s = self.PAD[j] - self.PAD[i]
-        for row, cnt in self.shared:
-            if cnt[j] > cnt[i]:
+        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
+            if cnt is None or cnt[j] > cnt[i]:
                 s += row["_adam"]
         return float(s)
 
@@ -106,6 +111,11 @@ class SplitChain:
             states = states + has * sum(row[c] for c in CATEGORIES)
             walk = walk + has * row["_walk"]
             adam = adam + has * row["_adam"]
+        if self.whole is not None:  # one stage over every unit
+            has = (I == 0) & (J == self.L)
+            states = states + has * sum(self.whole[c] for c in CATEGORIES)
+            walk = walk + has * self.whole["_walk"]
+            adam = adam + has * self.whole["_adam"]
         return dict(T=self.PT[J] - self.PT[I], A=self.PA[J] - self.PA[I] + self.cross_in[I],
                     RS=self.PRS[J] - self.PRS[I], RT=self.PRT[J] - self.PRT[I], NB=self.PB[J] - self.PB[I],
                     TR=self.PTR[J] - self.PTR[I], states=states, walk_states=walk, adam=adam)

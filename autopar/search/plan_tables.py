@@ -32,8 +32,10 @@ search over thousands of candidates on a 70B graph costs seconds:
                    offload only what stays on the device, `cost.memory.device_resident`, and
                    what the CPU steps; one parameter of each kind) under ZeRO stage z over d
                    ranks; expert parameters (`search.expert_detect.detect_moe`) over e ep
-                   ranks (whole experts divided, grouped ones cut on ep). A parameter read by
-                   several units is kept apart (`UnitStates.shared`), counted on each reader.
+                   ranks (whole experts divided, grouped ones cut on ep). A unit holds what its
+                   nodes read, directly or through input-free computation (`held_states`, as a
+                   stage does); one read by several units apart (`UnitStates.shared`), on each
+                   reader; one no node reads by the whole model alone (`UnitStates.whole`).
                    Buffers tp-local, the step's temporary without Adam's step scalars, each
                    parameter's gradient in backward (`param_grad`): as cost.estimate counts.
   one stage        `search.plan_rank.RankTables` (inherited): pp = 1 as cost.estimate prices it.
@@ -64,9 +66,9 @@ from autopar.cost import analyze, evaluate, liveness, load_profile
 from autopar.cost.comm import axis_links
 from autopar.cost.graph import GraphCost
 from autopar.cost.hardware import Hardware
-from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident,
-                                 padded_numel, plan_states,
+from autopar.cost.memory import (HELD_OUTPUTS, OptimizerSpec, device_resident, padded_numel, plan_states,
                                  resolve_precision, rows_of, tp_local_shape, with_param_dtype)
+from autopar.cost.pipeline_memory import held_states
 from autopar.cost.node_time import NodeTimer
 from autopar.cost.power import sustained
 from autopar.cost.placements import Placement, conversion_bytes, conversion_time
@@ -123,6 +125,7 @@ class UnitStates:
     param_grad: np.ndarray | None = None  # per parameter (gc.params order): its gradient in backward, masters' aside
     walk_grad: np.ndarray | None = None  # per unit, its own parameters' `param_grad` (the walk's gradients)
     pay_of: dict[str, tuple[float, float]] | None = None  # per parameter: (its grad_payload, its gather) on this rank
+    whole: dict[str, float] | None = None  # parameters no node holds (an unread buffer): the model's, no stage's
 
     @property
     def master_grads(self) -> float:
@@ -249,19 +252,19 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
             self.node_unit.append(u)
         self.fx_unit = {n: (unit_for(n.name) if n.op != "output" else L - 1) for n in gm.graph.nodes}
         self.blocks = np.array([1.0 if BLOCK_UNIT.search(name) else 0.0 for name in self.unit_names])
-        # parameters each unit reads, directly or through input-free computation
+        # parameters each unit holds as a stage holds them (`held_states`): read by its nodes,
+        # directly or through input-free computation, which split_pipeline copies to each reader
         key_name = {p.key: p.name for p in gc.params if p.key is not None}
         reads: list[set[str]] = [set() for _ in units]
-        for nc, u in zip(gc.nodes, self.node_unit):
-            for k in nc.uses:
-                if k in key_name:
-                    reads[u].add(key_name[k])
+        for held, u in zip(held_states(gc), self.node_unit):
+            reads[u] |= {key_name[k] for k in held if k in key_name}
         readers: dict[str, list[int]] = {}
         for i, r in enumerate(reads):
             for p in r:
                 readers.setdefault(p, []).append(i)
+        self.unheld = {p.name for p in gc.params if p.name not in readers}  # the whole model holds them
         for p in gc.params:
-            readers.setdefault(p.name, [0])  # held even if no unit reads it
+            readers.setdefault(p.name, [0])
         self.readers = readers
         # boundary bytes as c0 + c1 * rows (the activations crossing are linear in the batch)
         if self.symbolic_batch:
@@ -530,7 +533,7 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
         host_total = 0.0
         shared: list[tuple[dict[str, float], np.ndarray]] = []
         total = {c: 0.0 for c in CATEGORIES}
-        param_grad, walk_grad = np.zeros(len(self.gc.params)), np.zeros(L)
+        param_grad, walk_grad, whole = np.zeros(len(self.gc.params)), np.zeros(L), dict.fromkeys(CATEGORIES, 0.0)
         pay_of: dict[str, tuple[float, float]] = {}
         for i, (p, kind) in enumerate(zip(self.gc.params, kinds)):
             row, gp, ga, tmp, elems, mo, host, pg = per_kind[kind]
@@ -545,7 +548,12 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
             us = self.readers[p.name]
             off_elems[us[0]] += elems  # the CPU steps each parameter once (on its first reader's stage)
             off_mo[us[0]] += mo
-            if len(us) == 1:
+            if p.name in self.unheld:  # a one-stage plan holds it, a pipeline stage does not
+                for c, v in [*row.items(), ("_adam", tmp), ("_walk", sum(row.values()) - row["grads"] + pg)]:
+                    whole[c] = whole.get(c, 0.0) + v
+                grad_payload[0] += gp
+                gather[0] += ga
+            elif len(us) == 1:
                 u = us[0]
                 for c in CATEGORIES:
                     cat[c][u] += row[c]
@@ -564,7 +572,7 @@ class PlanTables(ContextTables, RankTables, OffloadTables):
                 grad_payload[us[-1]] += gp
                 gather[us[0]] += ga
         out = UnitStates(cat, shared, grad_payload, gather, adam, total, off_elems, off_mo, host_total, param_grad,
-                         walk_grad, pay_of)
+                         walk_grad, pay_of, whole)
         self._states[key] = out
         return out
 
