@@ -97,6 +97,8 @@ def dp_sync(model: Any, u, mine, starts, ends, B_s, end_r: float, st: UnitStates
     stages `mine` of `c` split at unit `starts`, each reduced as its last gradient action,
     `windows[s]`, makes them; its last action ending at `end_r`), on the dp (with cp: dp+cp)
     link: `cost.pipeline_time.dp_sync` over `node_pieces`, as `cost.estimate` calls it."""
+    if c.replicas < 2 or dp_link is None:  # nothing to sync (as pipeline_dp_sync answers): no pieces needed
+        return 0.0, 0.0, 0.0, 0.0
     lo, hi, back, pay, gat = node_pieces(model, c, u, st, starts, ends)
     return pipeline_dp_sync(mine, lo, hi, B_s, back, end_r, pay, gat, dp_link, z, c.replicas, c.micro,
                             model.bucket_bytes, windows)
