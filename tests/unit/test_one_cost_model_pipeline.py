@@ -425,7 +425,7 @@ def test_build_predicts_a_planned_pipeline_with_one_estimate(graphs):
 
 
 @pytest.mark.parametrize("hw", ["cpu-gloo", "h100-sxm"])
-@pytest.mark.parametrize("name", ["gpt-tiny", "vit-tiny", "gpt-tiny-tied", "moe-tiny", "hf-llama", "hf-mixtral"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "vit-tiny", "gpt-tiny-tied", "mlp-tiny", "moe-tiny", "hf-llama", "hf-mixtral"])
 def test_pipelines_syncing_in_several_buckets_equal_cost_estimate(graphs, name, hw):
     """bucket_mb = 0.002: every stage's engine syncs its gradients in several buckets, each once
     the backward has made them. The planner hands `cost.pipeline_time.dp_sync` estimate's own
