@@ -10,7 +10,7 @@ a 8192 x 8192 one. A profile's optional "compute" section replaces it by shape:
     "attention": {"dtype": ["bf16", "fp16"], "rows": [
         {"seq": 2048, "head_dim": 128, "causal": true, "efficiency": 0.40, "bwd_efficiency": 0.33}, ...]},
     "floor_s": {"matmul": 5e-6, "attention": 8e-6, "vector": 2e-6},
-    "power": {"rows": [[0.77, 1.0], [1.0, 0.861]]}
+    "power": {"rows": [[0.86, 1.0], [1.0, 0.861]]}
   }
 
 Matmul: a row is one measured (or published) GEMM shape. A GEMM of FLOPs f = 2mnk takes the

@@ -8,10 +8,12 @@ pieces `cost.estimate` gives it (`node_pieces`): per node of each stage's graph 
 and tied copies included), the node's backward seconds and the payloads of the parameters
 it is the stage's first reader of. Per unit (as before 2026-11-27) a unit's gradients were
 ready only when its whole backward had run, and a stage syncing in several buckets issued them
-later than estimate (89.47 against 88.53 ms on a pp 2 x dp 32 GPT at 25 MiB). `zero3_exposed`: ZeRO 3's gathers and
-reduce-scatters not hidden behind the unit computation; `buckets` (re-exported from
-`cost.pipeline_time`): per-unit gradients in buckets of the runtime's sizes. With context parallelism the link is the joined dp+cp axis'
-(`search.plan_context`), where gradients and ZeRO shards live. Overlap is not free: the compute
+later than estimate (89.47 against 88.53 ms on a pp 2 x dp 32 GPT at 25 MiB).
+
+`zero3_exposed`: ZeRO 3's gathers and reduce-scatters not hidden behind the unit computation;
+`buckets` (re-exported from `cost.pipeline_time`): gradients in buckets of the runtime's sizes.
+With context parallelism the link is the joined dp+cp axis' (`search.plan_context`), where
+gradients and ZeRO shards live. Overlap is not free: the compute
 beside a collective in flight runs (1 + k) times slower, k the link's contention
 (`cost.overlap`, as `cost.estimate` applies it), and the exposed terms include that slowdown.
 
