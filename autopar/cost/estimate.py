@@ -123,7 +123,7 @@ from autopar.passes.plan import Plan, torch_dtype
 from . import comm as C
 from .estimate_report import CommReport, Estimate, LayerReport
 from .fused_graph import fused_copy
-from .power import graph_duty, sustained
+from .power import sustained
 from .graph import GraphCost, analyze
 from .hardware import Hardware, load_profile
 from .comm import joined_data_axis
@@ -226,7 +226,7 @@ def estimate(gm: fx.GraphModule | GraphCost, plan: Plan | None = None, hardware:
     hw = sustained(hw, gc, plan.param_dtype)  # the power limit under this graph's GEMM duty
     if hw.power_ratio < 1.0:
         notes.append(f"sustained load: GEMMs and attention at {hw.power_ratio:.3f} x their burst throughput (the "
-                     f"graph's GEMM duty {graph_duty(gc, hw, plan.param_dtype):.2f}; {hw.name}'s power rows)")
+                     f"graph's GEMM duty {hw.power_duty:.2f}; {hw.name}'s power rows)")
     world = math.prod(mesh.values())
     if world > hw.world_size:  # more ranks than the profile has: more nodes of the same kind
         nodes = -(-world // hw.gpus_per_node)

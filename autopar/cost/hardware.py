@@ -131,6 +131,7 @@ class Hardware:
     # sustained / burst throughput of GEMMs and attention for the work being costed (the compute
     # table's power rows at its GEMM duty, `cost.power.sustained`); 1: bursts, as the tables
     power_ratio: float = 1.0
+    power_duty: float | None = None  # the GEMM duty that ratio was read at (None: not set from a graph)
 
     @property
     def world_size(self) -> int:
@@ -190,12 +191,12 @@ class Hardware:
         """A copy with the compute table replaced (what `autopar tune` writes)."""
         return replace(self, compute=table, calibration={**self.calibration, "source": "calibrated"})
 
-    def with_power_ratio(self, ratio: float) -> "Hardware":
+    def with_power_ratio(self, ratio: float, duty: float | None = None) -> "Hardware":
         """A copy whose GEMMs and attention run at `ratio` x their burst throughput (sustained
-        load at the power limit: `cost.power.sustained`)."""
+        load at the power limit, at GEMM duty `duty`: `cost.power.sustained`)."""
         if not 0 < ratio <= 1:
             raise ValueError(f"power_ratio must be in (0, 1], got {ratio!r}")
-        return replace(self, power_ratio=float(ratio))
+        return replace(self, power_ratio=float(ratio), power_duty=duty)
 
     def with_nodes(self, nodes: int) -> "Hardware":
         """The same hardware with a different node count (e.g. 64 nodes of 8 = 512 GPUs)."""

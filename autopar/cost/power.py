@@ -17,7 +17,7 @@ acts over tens of milliseconds (the ramp above fell within 45 ms), within a bloc
 backward, where the duty is the graph's.
 
 `sustained(hw, gc, compute_dtype)`: `hw` with `power_ratio` set from its table's power rows at
-that duty (unchanged when the table has none). Idempotent: the duty is always taken at bursts.
+that duty, and `power_duty` (unchanged when the table has none). Idempotent: the duty is always taken at bursts.
 
 Reads no node.meta. Deterministic.
 """
@@ -47,4 +47,5 @@ def sustained(hw: Hardware, gc: GraphCost, compute_dtype: str | None = None) -> 
     the graph's duty (`hw` itself when its compute table has no power rows)."""
     if hw.compute is None or not hw.compute.power:
         return hw
-    return hw.with_power_ratio(hw.compute.sustained_ratio(graph_duty(gc, hw, compute_dtype)))
+    duty = graph_duty(gc, hw, compute_dtype)
+    return hw.with_power_ratio(hw.compute.sustained_ratio(duty), duty)

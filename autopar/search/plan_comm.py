@@ -54,9 +54,6 @@ def stage_payloads(st: UnitStates, starts, ends) -> tuple[np.ndarray, np.ndarray
     return pay, gat
 
 
-_LAST: list = [None, None]  # (key, pieces) of the last `node_pieces` call
-
-
 def node_pieces(model: Any, c: Candidate, u, st: UnitStates, starts: Sequence[int], ends: Sequence[int]
                 ) -> tuple[list[int], list[int], list[float], list[float], list[float]]:
     """(first piece per stage, its end, backward seconds per piece, gradient payload per piece,
@@ -65,10 +62,10 @@ def node_pieces(model: Any, c: Candidate, u, st: UnitStates, starts: Sequence[in
     backward (with ep rank 0's, `rank_nodes`) with half the tensor-parallel conversions it
     consumes (`UnitCosts.node_tp`); each parameter the stage holds (with ep rank 0's experts, whole)
     at its first reader (`rank_pieces`), with its payload on this rank (`st.pay_of`)."""
-    key = (model, u, st, c, tuple(starts), tuple(ends))  # every rank of one evaluation asks for the same
-    last = _LAST[0]
-    if last is not None and all(a is b for a, b in zip(last[:4], key[:4])) and last[4:] == key[4:]:
-        return _LAST[1]
+    key = (u, st, c, tuple(starts), tuple(ends))  # every rank of one evaluation asks for the same
+    last = model.__dict__.get("_node_pieces_last")  # one entry: it holds u, st, c, so no id is reused
+    if last is not None and all(a is b for a, b in zip(last[0][:3], key[:3])) and last[0][3:] == key[3:]:
+        return last[1]
     _nf, nb = model.rank_nodes(c, u)
     firsts = unit_first_nodes(model)
     ep = model._ep_of(c)
@@ -89,8 +86,8 @@ def node_pieces(model: Any, c: Candidate, u, st: UnitStates, starts: Sequence[in
     for g in graphs:
         lo.append(at)
         at += len(g.nodes)
-    _LAST[:] = [key, (lo, lo[1:] + [at], back, pay, gat)]  # held, so no id is reused while it is here
-    return _LAST[1]
+    model.__dict__["_node_pieces_last"] = (key, (lo, lo[1:] + [at], back, pay, gat))
+    return model.__dict__["_node_pieces_last"][1]
 
 
 def dp_sync(model: Any, u, mine, starts, ends, B_s, end_r: float, st: UnitStates, dp_link, z: int, c: Candidate,
