@@ -325,7 +325,7 @@ def check_captured_graph(global_gm, example_inputs: Any) -> None:
 
 
 # ------------------------------------------------------------------------ step's batch
-_VALS: "weakref.WeakKeyDictionary" = None  # graph module -> its placeholders' values (step runs every iteration)
+_VALS: Any = None  # a weakref.WeakKeyDictionary: graph module -> its placeholders' values (step runs every iteration)
 
 
 def _captured(global_gm) -> list[Any]:

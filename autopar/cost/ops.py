@@ -260,7 +260,7 @@ def sdpa_backend(c: Call, kernels) -> str:
         return "math"
     if choice == "cpu":
         dropout = c.arg(4, "dropout_p", 0.0) or 0.0
-        q, k, v = c.t(0), c.t(1), c.t(2)
+        q, v = c.t(0), c.t(2)
         if dropout > 0 or q.shape[-1] != v.shape[-1]:
             return "math"  # CPU flash attention has no dropout and needs equal head dims
     return "flash"

@@ -55,8 +55,6 @@ def _one_process(model_name: str, steps: int, batch: int):
 
 
 def cmd_demo(a) -> int:
-    import torch
-
     from autopar.runtime.launch import run_world
 
     if a.batch % a.world_size:

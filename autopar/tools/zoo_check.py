@@ -36,7 +36,6 @@ import resource
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 

@@ -11,7 +11,6 @@ MoE model and a tp mesh that fits.
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 
 import pytest

@@ -2,7 +2,6 @@
 opaque leaves that still train, and errors that name the module and suggest leaf_modules."""
 import os
 import resource
-import time
 
 import pytest
 import torch

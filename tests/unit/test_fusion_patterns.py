@@ -32,7 +32,7 @@ import torch.nn as nn
 
 import autopar.models as M
 from autopar.capture import capture
-from autopar.models.gpt import GPT, GPTConfig, loss_fn
+from autopar.models.gpt import loss_fn
 from autopar.passes.fuse import fuse
 from autopar.passes.pass_manager import PassContext, PassManager
 from autopar.passes.plan import Plan
