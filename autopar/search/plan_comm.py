@@ -21,10 +21,10 @@ Pure functions of the tables' arrays: no node.meta. Deterministic.
 """
 from __future__ import annotations
 
-import numpy as np
-
 import dataclasses
 from typing import Any, Sequence
+
+import numpy as np
 
 from autopar.cost.overlap import contention_of, overlap_extra
 from autopar.cost.pipeline_memory import held_states

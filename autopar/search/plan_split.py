@@ -67,38 +67,37 @@ class SplitChain:
         self.fixed = fixed
         self.rc_pin = rc_pin
 
-    def _whole(self, i, j) -> bool:
-        return self.whole is not None and i == 0 and j == self.L
+    def _rows(self, i: int, j: int) -> list[dict[str, float]]:
+        """The parameters kept apart that stage units [i, j) hold: the shared ones with a reader
+        there, and `whole` when the stage is the whole model."""
+        rows = [row for row, cnt in self.shared if cnt[j] > cnt[i]]
+        return rows + [self.whole] if self.whole is not None and i == 0 and j == self.L else rows
 
     def states_range(self, i: int, j: int) -> float:
         s = self.PS[j] - self.PS[i]
-        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
-            if cnt is None or cnt[j] > cnt[i]:
-                s += sum(row[c] for c in CATEGORIES)
+        for row in self._rows(i, j):
+            s += sum(row[c] for c in CATEGORIES)
         return float(s)
 
     def act_states_range(self, i: int, j: int) -> float:
         """`states_range` with the gradients the forward / backward walk holds in place of the
         "grads" category (the masters' gradients are made at the end of backward)."""
         s = self.PWS[j] - self.PWS[i]
-        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
-            if cnt is None or cnt[j] > cnt[i]:
-                s += row["_walk"]
+        for row in self._rows(i, j):
+            s += row["_walk"]
         return float(s)
 
     def categories(self, i: int, j: int) -> dict[str, float]:
         out = {k: float(p[j] - p[i]) for k, p in self.cat_prefix.items()}
-        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
-            if cnt is None or cnt[j] > cnt[i]:
-                for c in CATEGORIES:
-                    out[c] += row[c]
+        for row in self._rows(i, j):
+            for c in CATEGORIES:
+                out[c] += row[c]
         return out
 
     def adam_range(self, i: int, j: int) -> float:
         s = self.PAD[j] - self.PAD[i]
-        for row, cnt in self.shared + ([(self.whole, None)] if self._whole(i, j) else []):
-            if cnt is None or cnt[j] > cnt[i]:
-                s += row["_adam"]
+        for row in self._rows(i, j):
+            s += row["_adam"]
         return float(s)
 
     def _arrays(self, I: np.ndarray, J: np.ndarray) -> dict[str, np.ndarray]:
